@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make check` (install + every test) and `make run` (full lessons).
+# Each recipe line runs in its own shell, so programs are called from the venv directly.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.installed
+
+.PHONY: help check test run lab student clean
+
+help:  ## list the targets
+	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 10
+
+# The venv is a file target: it is (re)built when requirements.txt or pyproject.toml change.
+$(INSTALLED): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $@
+
+check: $(INSTALLED)  ## create .venv, install, run every test (notebooks in check mode)
+	$(PY) -m pytest
+
+test: check  ## same as check
+
+run: $(INSTALLED)  ## execute every notebook in full mode into build/ (HTML, figures, results.json)
+	$(PY) tools/run_notebooks.py
+
+lab: $(INSTALLED)  ## open JupyterLab on notebooks/
+	$(VENV)/bin/jupyter lab notebooks/
+
+student: $(INSTALLED)  ## write student versions (solutions removed) to build/student/
+	$(PY) tools/build_student.py
+
+clean:  ## remove build/ and caches (keeps .venv; `rm -rf .venv` to reinstall)
+	rm -rf build .pytest_cache
+	find . -name __pycache__ -not -path './.venv/*' -prune -exec rm -rf {} +

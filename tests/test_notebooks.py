@@ -1,0 +1,209 @@
+"""Every notebook: structure (no execution), check-mode execution with recorded figures, the
+invalid check-mode value, the student version, nbgrader's own generate_assignment, nbval-lax."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from papermill.exceptions import PapermillExecutionError
+
+import utils
+from tools.nbtools import NOTEBOOKS, ROOT, execute, list_notebooks, student_version
+
+NOTEBOOK_PATHS = list_notebooks()
+IDS = [path.stem for path in NOTEBOOK_PATHS]
+CHECK_BUDGET_S = {"00_measuring_memory_and_time": 60, "01_parameter_footprint": 60}
+NBVAL_EXPECTED = ROOT / "tests" / "nbval_expected.json"
+
+
+def _cells(path: Path) -> list:
+    return nbformat.read(path, as_version=4).cells
+
+
+def _source(cell) -> str:
+    return cell.source if isinstance(cell.source, str) else "".join(cell.source)
+
+
+# --- structure: fast, runs nothing -------------------------------------------------------------
+
+def test_there_are_notebooks():
+    assert [p.stem[:2] for p in NOTEBOOK_PATHS] == [f"{i:02d}" for i in range(len(NOTEBOOK_PATHS))]
+    assert set(CHECK_BUDGET_S) == set(IDS), "every notebook needs a check-mode time budget here"
+
+
+@pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=IDS)
+def test_structure(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code), "commit notebooks without outputs"
+    assert "parameters" in code[0].metadata.get("tags", []), "the first code cell must be tagged 'parameters'"
+    assert sum("parameters" in c.metadata.get("tags", []) for c in nb.cells) == 1
+    assert "utils.check_mode()" in _source(code[0]), "the parameters cell reads the check-mode switch"
+    markdown = "\n".join(_source(c) for c in nb.cells if c.cell_type == "markdown")
+    number = path.stem[:2]
+    assert _source(nb.cells[0]).startswith(f"# {number} · "), "numbered title first"
+    for heading in ("**What you will learn**", "**Prerequisites**", "**Runtime**", "## Exercises", "## Summary",
+                    "## Further reading"):
+        assert heading in markdown, heading
+    assert "sys.path" not in "\n".join(_source(c) for c in code), "import utils without sys.path edits"
+
+
+@pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=IDS)
+def test_exercises_follow_nbgrader_conventions(path):
+    cells = _cells(path)
+    solutions = [i for i, c in enumerate(cells) if c.metadata.get("nbgrader", {}).get("solution")]
+    assert len(solutions) >= 2, "at least two exercises"
+    grade_ids = [c.metadata["nbgrader"]["grade_id"] for c in cells if "nbgrader" in c.metadata]
+    assert len(grade_ids) == len(set(grade_ids)), "grade_ids must be unique"
+    for index in solutions:
+        source = _source(cells[index])
+        assert "### BEGIN SOLUTION" in source and "### END SOLUTION" in source
+        test_cell = cells[index + 1].metadata.get("nbgrader", {})
+        assert test_cell.get("grade") and test_cell.get("locked") and test_cell.get("points", 0) > 0, \
+            "each solution is followed by a locked, graded test cell"
+        assert "assert" in _source(cells[index + 1])
+
+
+# --- execution in check mode ------------------------------------------------------------------
+
+EXPECTED_FIGURES = {
+    # notebook -> {figure: check on its value}; values depend on the machine, so checks are ranges
+    "00_measuring_memory_and_time": {
+        "step_peak_mib": lambda v: v > 0,
+        "activation_mib": lambda v: v > 0,
+        "adamw_state_mib": lambda v: v > 0,
+        "forward_backward_ms": lambda v: v > 0,
+        "first_call_over_median": lambda v: v > 0,
+    },
+    "01_parameter_footprint": {
+        "adamw_fp32_bytes_per_param": lambda v: 16 <= v < 16.01,
+        "sgd_momentum_fp32_bytes_per_param": lambda v: v == 12,
+        "mixed_master_bytes_per_param": lambda v: 16 <= v < 16.01,
+        "foreach_step_peak_mib": lambda v: v > 0,
+        "forloop_step_peak_mib": lambda v: v > 0,
+        "fused_step_peak_mib": lambda v: v >= 0,
+        "activation_crossover_batch": lambda v: v > 1,
+        "adamw_max_params_80gb_billion": lambda v: v == 5.0,
+    },
+}
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=IDS)
+def test_notebook_runs_in_check_mode(path, tmp_path):
+    started = time.perf_counter()
+    execute(path, tmp_path / "executed" / path.name, check_mode=True, build=tmp_path, timeout_s=300)
+    seconds = time.perf_counter() - started
+    print(f"{path.stem}: {seconds:.1f} s in check mode")
+    assert seconds < CHECK_BUDGET_S[path.stem], f"{path.stem} took {seconds:.1f} s"
+    recorded = utils.load_results(path.stem, tmp_path / "results")
+    assert recorded["check_mode"] is True
+    for name, check in EXPECTED_FIGURES[path.stem].items():
+        assert name in recorded["figures"], f"{path.stem} did not record {name}"
+        value = recorded["figures"][name]["value"]
+        assert check(value), f"{path.stem}: {name} = {value}"
+    assert list((tmp_path / "figures").glob(f"{path.stem[:2]}_*.png")), "the notebook saves its figures"
+
+
+@pytest.mark.notebook
+def test_unknown_check_mode_value_fails_with_clear_message(tmp_path, monkeypatch):
+    import papermill
+
+    monkeypatch.setenv("PYTORCH_INTRO_CHECK_MODE", "yes")
+    monkeypatch.setenv("PYTORCH_INTRO_BUILD_DIR", str(tmp_path))
+    with pytest.raises(PapermillExecutionError, match="PYTORCH_INTRO_CHECK_MODE='yes' is not understood"):
+        papermill.execute_notebook(str(NOTEBOOK_PATHS[0]), str(tmp_path / "out.ipynb"), cwd=str(NOTEBOOKS),
+                                   kernel_name="python3", progress_bar=False)
+
+
+def test_make_run_refuses_unknown_check_mode_value():
+    env = {**os.environ, "PYTORCH_INTRO_CHECK_MODE": "true"}
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "run_notebooks.py")], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "PYTORCH_INTRO_CHECK_MODE='true' is not understood" in done.stderr
+
+
+# --- exercises: student versions --------------------------------------------------------------
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=IDS)
+def test_student_version_stops_at_first_exercise(path, tmp_path):
+    source = nbformat.read(path, as_version=4)
+    student = student_version(source)
+    first_solution = next(i for i, c in enumerate(student.cells) if c.metadata.get("nbgrader", {}).get("solution"))
+    assert "### BEGIN SOLUTION" not in "".join(_source(c) for c in student.cells)
+    assert "raise NotImplementedError()" in _source(student.cells[first_solution])
+    student_path = tmp_path / path.name
+    nbformat.write(student, student_path)
+    with pytest.raises(PapermillExecutionError) as failure:
+        execute(student_path, tmp_path / "out.ipynb", check_mode=True, build=tmp_path, timeout_s=300)
+    assert failure.value.ename == "NotImplementedError"
+    executed = nbformat.read(tmp_path / "out.ipynb", as_version=4)
+    failed = [c.metadata.get("nbgrader", {}).get("grade_id") for c in executed.cells
+              if c.cell_type == "code" and any(o.get("output_type") == "error" for o in c.get("outputs", []))]
+    # the exercise's own cell raises, or (when the answer is a function) the test cell that calls it
+    first_exercise = {student.cells[first_solution].metadata["nbgrader"]["grade_id"],
+                      student.cells[first_solution + 1].metadata["nbgrader"]["grade_id"]}
+    assert len(failed) == 1 and failed[0] in first_exercise, \
+        f"the student version must run up to its first exercise and stop there, but failed at {failed}"
+
+
+def test_nbgrader_generate_assignment_accepts_the_notebooks(tmp_path):
+    source = tmp_path / "source" / "course"
+    source.mkdir(parents=True)
+    for path in NOTEBOOK_PATHS:
+        shutil.copy(path, source / path.name)
+    done = subprocess.run(
+        [sys.executable, "-m", "nbgrader", "generate_assignment", "course", "--force",
+         f"--CourseDirectory.root={tmp_path}", "--CourseDirectory.db_url=sqlite:///" + str(tmp_path / "gb.db")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        # nbgrader creates its gradebook by running the `alembic` program of the same environment
+        env={**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")})
+    assert done.returncode == 0, done.stdout + done.stderr
+    released = sorted(p.name for p in (tmp_path / "release" / "course").glob("*.ipynb"))
+    assert released == [p.name for p in NOTEBOOK_PATHS]
+    for name in released:
+        text = (tmp_path / "release" / "course" / name).read_text()
+        assert "BEGIN SOLUTION" not in text and "NotImplementedError" in text
+
+
+# --- nbval: outputs that must stay stable ---------------------------------------------------------
+
+def _marked_cells(path: Path) -> dict[str, object]:
+    return {c.id: c for c in _cells(path) if c.cell_type == "code" and "# NBVAL_CHECK_OUTPUT" in _source(c)}
+
+
+def test_nbval_expectations_cover_exactly_the_marked_cells():
+    expected = json.loads(NBVAL_EXPECTED.read_text())
+    for path in NOTEBOOK_PATHS:
+        assert set(expected.get(path.stem, {})) == set(_marked_cells(path)), path.stem
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", [p for p in NOTEBOOK_PATHS if _marked_cells(p)],
+                         ids=[p.stem for p in NOTEBOOK_PATHS if _marked_cells(p)])
+def test_nbval_lax_marked_cells(path, tmp_path):
+    """nbval compares marked cells with stored outputs; sources have none, so we insert the expected ones."""
+    expected = json.loads(NBVAL_EXPECTED.read_text())[path.stem]
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if cell.id in expected:
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=expected[cell.id])]
+            cell.execution_count = 1       # nbval refuses outputs on a cell marked as never run
+    reference = tmp_path / path.name
+    nbformat.write(nb, reference)
+    env = {**os.environ, "PYTORCH_INTRO_CHECK_MODE": "1", "PYTORCH_INTRO_BUILD_DIR": str(tmp_path),
+           "CUDA_VISIBLE_DEVICES": ""}     # the expected outputs are the CPU tracker's exact bytes
+    done = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-p", "no:cacheprovider", "-q",
+                           "--rootdir", str(tmp_path), str(reference)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -1,0 +1,145 @@
+"""Check mode, device choice, seeding and a one-line environment report.
+
+Introduced in notebook 00. Every notebook starts with ``CHECK_MODE = utils.check_mode()`` so that
+``PYTORCH_INTRO_CHECK_MODE=1`` picks the small, fast path used by CI.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+
+import torch
+
+CHECK_MODE_VARIABLE = "PYTORCH_INTRO_CHECK_MODE"
+_FULL_VALUES = ("", "0")
+_CHECK_VALUES = ("1",)
+
+
+def check_mode() -> bool:
+    """Read ``PYTORCH_INTRO_CHECK_MODE`` and say whether the notebook takes its small, fast path.
+
+    Unset, ``""`` or ``"0"`` means the full lesson; ``"1"`` means check mode (tiny sizes, few steps,
+    every assertion still runs). Any other value is an error rather than silently "off", so that a
+    CI job written with ``=yes`` or ``=true`` fails loudly instead of running for an hour.
+
+    Returns:
+        True in check mode, False for the full lesson.
+
+    Raises:
+        ValueError: the variable holds something other than the accepted values.
+
+    Example:
+        >>> CHECK_MODE = check_mode()
+        >>> NUM_STEPS = 3 if CHECK_MODE else 200
+    """
+    raw = os.environ.get(CHECK_MODE_VARIABLE)
+    if raw is None:
+        return False
+    value = raw.strip()
+    if value in _FULL_VALUES:
+        return False
+    if value in _CHECK_VALUES:
+        return True
+    raise ValueError(
+        f"{CHECK_MODE_VARIABLE}={raw!r} is not understood: use 1 for check mode "
+        f"(small and fast), or 0, an empty value or leave it unset for the full lesson."
+    )
+
+
+def pick_device(prefer: str | torch.device | None = None) -> torch.device:
+    """Choose the device a notebook runs on: CUDA when available, else the CPU.
+
+    Args:
+        prefer: force a device ("cpu", "cuda", "cuda:1" or a ``torch.device``). ``None`` picks
+            ``cuda`` if ``torch.cuda.is_available()`` and ``cpu`` otherwise.
+
+    Returns:
+        The chosen ``torch.device``.
+
+    Raises:
+        TypeError: ``prefer`` is neither None, a string nor a ``torch.device``.
+        ValueError: CUDA was asked for on a machine without it.
+    """
+    if prefer is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(prefer, (str, torch.device)):
+        raise TypeError(f"prefer must be None, a device string or a torch.device, not {type(prefer).__name__}")
+    device = torch.device(prefer)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} was asked for, but torch.cuda.is_available() is False here")
+    return device
+
+
+def device_name(device: torch.device | str) -> str:
+    """A short human name for a device, used in plot titles and recorded results.
+
+    On CUDA this is the GPU's name (e.g. ``"NVIDIA H100 80GB HBM3"``); on the CPU the processor
+    architecture and the number of threads torch uses (e.g. ``"CPU x86_64, 2 threads"``).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def supports_bf16(device: torch.device | str) -> bool:
+    """Whether bf16 arithmetic is natively supported (CUDA compute capability 8.0+, or any CPU).
+
+    CPUs always *run* bf16, but without AMX/AVX512-BF16 it is emulated and slower than fp32;
+    notebook 04 measures that instead of assuming it.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return True
+
+
+def environment_report(device: torch.device | str) -> str:
+    """One line that names the software and hardware behind every number a notebook prints.
+
+    Example output: ``torch 2.13.0+cpu | CPU x86_64, 2 threads | bf16: yes | CPU threads: 2``
+    """
+    device = torch.device(device)
+    parts = [f"torch {torch.__version__}", device_name(device)]
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        parts.append(f"CUDA {torch.version.cuda}, capability {major}.{minor}")
+    parts.append(f"bf16: {'yes' if supports_bf16(device) else 'no'}")
+    parts.append(f"CPU threads: {torch.get_num_threads()}")
+    return " | ".join(parts)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's and torch's random generators (all CUDA devices included).
+
+    Args:
+        seed: a non-negative integer.
+
+    Raises:
+        TypeError / ValueError: ``seed`` is not a non-negative integer.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, not {type(seed).__name__}")
+    if seed < 0:
+        raise ValueError(f"seed must be non-negative, got {seed}")
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+BUILD_DIR_VARIABLE = "PYTORCH_INTRO_BUILD_DIR"
+
+
+def build_dir() -> "Path":
+    """Where executed notebooks, figures and recorded results go: ``build/`` at the repo root.
+
+    ``PYTORCH_INTRO_BUILD_DIR`` moves it (the tests point it at a temporary folder so that a
+    check-mode run never overwrites the results of a full ``make run``).
+    """
+    from pathlib import Path
+
+    override = os.environ.get(BUILD_DIR_VARIABLE, "").strip()
+    if override:
+        return Path(override).resolve()
+    return Path(__file__).resolve().parent.parent / "build"

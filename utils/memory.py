@@ -1,0 +1,362 @@
+"""Measuring memory: one context manager, the CUDA allocator's figures or an exact CPU tracker.
+
+Introduced in notebook 00. ``measure_memory`` works the same way on every device and returns the
+same result: what was live at the start (baseline), the highest point above it (peak), what the
+region left behind (end), and a timeline of samples labelled with phases ("forward", "backward",
+"optimizer") that ``utils.plots.plot_memory_timeline`` draws.
+
+How each backend measures:
+
+* ``"cuda-allocator"`` (default on CUDA): ``torch.cuda.memory_allocated`` / ``max_memory_allocated``
+  / ``max_memory_reserved`` after ``reset_peak_memory_stats``. The peak includes short-lived
+  workspaces inside kernels; the timeline is sampled after every aten operation.
+* ``"tracker"`` (default on CPU, available on CUDA too): a ``TorchDispatchMode`` sees every tensor
+  an aten operation returns, follows its storage, and a weakref finalizer subtracts the bytes when
+  the storage dies. Every allocation and every free is one timeline sample, so the result is exact
+  for tensor storage: on the CPU, parameter, gradient and optimizer-state bytes equal the analytic
+  prediction to the byte.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .env import device_name
+
+MIB = 1024**2
+BACKENDS = ("auto", "cuda-allocator", "tracker")
+
+
+def to_mib(num_bytes: float) -> float:
+    """Bytes to MiB (2**20 bytes), the unit every plot and table in the course uses."""
+    return num_bytes / MIB
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind some tensors (views of one storage count once).
+
+    Args:
+        tensors: a tensor, an ``nn.Module`` (its parameters, their gradients and its buffers), an
+            optimizer (its state tensors), or any nesting of lists, tuples and dicts of these.
+
+    Returns:
+        The sum of ``untyped_storage().nbytes()`` over distinct storages.
+    """
+    seen: dict[int, int] = {}
+    for tensor in _iter_tensors(tensors):
+        storage = tensor.untyped_storage()
+        seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, torch.nn.Module):
+        for param in obj.parameters():
+            yield param
+            if param.grad is not None:
+                yield param.grad
+        yield from obj.buffers()
+    elif isinstance(obj, torch.optim.Optimizer):
+        for state in obj.state.values():
+            yield from _iter_tensors(state)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _iter_tensors(value)
+    elif isinstance(obj, (list, tuple, set)):
+        for value in obj:
+            yield from _iter_tensors(value)
+    elif obj is None or isinstance(obj, (int, float, bool, str)):
+        return
+    else:
+        raise TypeError(
+            "expected tensors, an nn.Module, an optimizer, or lists/tuples/dicts of them, "
+            f"not {type(obj).__name__}"
+        )
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """One point of a memory timeline.
+
+    Attributes:
+        event: the sample's number within the region (0, 1, 2, ...).
+        phase: the phase label current when the sample was taken.
+        bytes: bytes allocated above the region's baseline at that moment.
+    """
+
+    event: int
+    phase: str
+    bytes: int
+
+
+@dataclass
+class MemoryMeasurement:
+    """What ``measure_memory`` yields; its figures are filled in when the ``with`` block ends.
+
+    Attributes:
+        device: the device's human name (GPU model, or CPU and thread count).
+        backend: ``"cuda-allocator"`` or ``"tracker"``.
+        baseline_bytes: bytes already allocated when the region started. The CUDA allocator knows
+            this; the tracker only sees what the region allocates, so it reports 0.
+        peak_bytes: highest allocation above the baseline during the region.
+        end_bytes: allocation above the baseline when the region ended (what it left alive).
+        reserved_peak_bytes: CUDA only, the caching allocator's highest reserve (what nvidia-smi
+            sees, minus the CUDA context); None for the tracker.
+        timeline: samples in order, each with its phase.
+    """
+
+    device: str
+    backend: str
+    baseline_bytes: int = 0
+    peak_bytes: int = 0
+    end_bytes: int = 0
+    reserved_peak_bytes: int | None = None
+    timeline: list[MemorySample] = field(default_factory=list)
+    _phase: str = "region"
+    _finished: bool = False
+
+    def phase(self, name: str) -> None:
+        """Label the samples that follow with ``name`` (e.g. "backward" before ``loss.backward()``)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a phase name must be a non-empty string, got {name!r}")
+        self._phase = name
+
+    @property
+    def peak_mib(self) -> float:
+        """``peak_bytes`` in MiB."""
+        return to_mib(self.peak_bytes)
+
+    @property
+    def end_mib(self) -> float:
+        """``end_bytes`` in MiB."""
+        return to_mib(self.end_bytes)
+
+    def phase_peak_bytes(self) -> dict[str, int]:
+        """The highest sample of each phase, in order of first appearance."""
+        peaks: dict[str, int] = {}
+        for sample in self.timeline:
+            peaks[sample.phase] = max(peaks.get(sample.phase, sample.bytes), sample.bytes)
+        return peaks
+
+    def phase_end_bytes(self) -> dict[str, int]:
+        """The last sample of each phase: what was live when that phase handed over to the next."""
+        ends: dict[str, int] = {}
+        for sample in self.timeline:
+            ends[sample.phase] = sample.bytes
+        return ends
+
+    def summary(self) -> str:
+        """One line: backend, device, peak and end in MiB (and reserve on CUDA)."""
+        text = (f"[{self.backend} on {self.device}] peak {self.peak_mib:,.2f} MiB above baseline, "
+                f"{self.end_mib:,.2f} MiB left at the end")
+        if self.reserved_peak_bytes is not None:
+            text += f", reserved peak {to_mib(self.reserved_peak_bytes):,.2f} MiB"
+        return text
+
+
+class _Recorder:
+    """Shared by both backends: keeps the running total and writes timeline samples."""
+
+    def __init__(self, measurement: MemoryMeasurement) -> None:
+        self.measurement = measurement
+        self.lock = threading.RLock()  # backward on CUDA runs in another thread; frees come from GC
+        self.current = 0
+        self.peak = 0
+
+    def sample(self, current: int) -> None:
+        with self.lock:
+            self.current = current
+            self.peak = max(self.peak, current)
+            timeline = self.measurement.timeline
+            timeline.append(MemorySample(len(timeline), self.measurement._phase, current))
+
+
+class _StorageTrackerMode(TorchDispatchMode):
+    """Follows every storage an aten op returns on one device type; frees arrive via weakref."""
+
+    def __init__(self, recorder: _Recorder, device_type: str) -> None:
+        super().__init__()
+        self.recorder = recorder
+        self.device_type = device_type
+        self.live: dict[int, int] = {}  # storage id -> bytes
+        self.finalizers: list[weakref.finalize] = []
+        self.active = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs, _ = tree_flatten((args, kwargs))
+        input_storages = {t.untyped_storage()._cdata for t in inputs if self._follows(t)}
+        outputs, _ = tree_flatten(out)
+        for tensor in outputs:
+            if not self._follows(tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            nbytes = storage.nbytes()
+            with self.recorder.lock:
+                if key in self.live:
+                    if self.live[key] != nbytes:  # a storage resized in place (out= ops)
+                        self.recorder.sample(self.recorder.current + nbytes - self.live[key])
+                        self.live[key] = nbytes
+                    continue
+                fresh = func is torch.ops.aten.lift_fresh.default  # torch.tensor(data) arrives so
+                if (key in input_storages and not fresh) or nbytes == 0:
+                    continue  # a view or an in-place result of something that existed already
+                self.live[key] = nbytes
+                self.finalizers.append(weakref.finalize(storage, self._free, key))
+                self.recorder.sample(self.recorder.current + nbytes)
+        return out
+
+    def follow_existing(self, tensors: Iterator[torch.Tensor]) -> int:
+        """Follow storages that exist already (without a sample); returns their bytes."""
+        total = 0
+        for tensor in tensors:
+            if not self._follows(tensor):
+                continue
+            storage = tensor.untyped_storage()
+            if storage._cdata in self.live:
+                continue
+            self.live[storage._cdata] = storage.nbytes()
+            total += storage.nbytes()
+            self.finalizers.append(weakref.finalize(storage, self._free, storage._cdata))
+        return total
+
+    def _follows(self, obj: Any) -> bool:
+        return (isinstance(obj, torch.Tensor) and obj.device.type == self.device_type
+                and obj.layout == torch.strided)
+
+    def _free(self, key: int) -> None:
+        with self.recorder.lock:
+            if not self.active or key not in self.live:
+                return
+            nbytes = self.live.pop(key)
+            self.recorder.sample(self.recorder.current - nbytes)
+
+    def stop(self) -> None:
+        self.active = False
+        for finalizer in self.finalizers:
+            finalizer.detach()
+
+
+class _AllocatorSamplerMode(TorchDispatchMode):
+    """Samples the CUDA caching allocator after every aten op, for the timeline."""
+
+    def __init__(self, recorder: _Recorder, device: torch.device, baseline: int) -> None:
+        super().__init__()
+        self.recorder = recorder
+        self.device = device
+        self.baseline = baseline
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        self.recorder.sample(torch.cuda.memory_allocated(self.device) - self.baseline)
+        return out
+
+
+class measure_memory:  # noqa: N801 - used as a context manager, reads like a function
+    """Measure the memory a region of code allocates, on CUDA or on the CPU, with one API.
+
+    Args:
+        device: the device whose memory to measure ("cpu", "cuda", a ``torch.device``).
+        backend: ``"auto"`` (allocator on CUDA, tracker on CPU), ``"cuda-allocator"`` or
+            ``"tracker"`` (exact storage tracking, also on CUDA to compare with the allocator).
+        phase: the label of the first phase; call ``mem.phase("backward")`` to start the next.
+        timeline: keep a sample per event (turn off for long loops where only the peak matters).
+        include: tensors that exist before the region and should be followed by the tracker (a
+            tensor, module, optimizer, or lists of them): they form its baseline, and freeing one
+            inside the region (``optimizer.zero_grad()``) shows as a fall below it. The CUDA
+            allocator sees everything anyway and ignores this.
+
+    Yields:
+        A ``MemoryMeasurement``; its ``peak_bytes``, ``end_bytes`` and timeline are filled in when
+        the block ends.
+
+    Example:
+        >>> with measure_memory("cpu", phase="forward") as mem:
+        ...     loss = model(x).sum()
+        ...     mem.phase("backward")
+        ...     loss.backward()
+        >>> mem.peak_bytes, mem.end_bytes   # end_bytes == the gradients' bytes
+
+    Known limitations:
+        * The tracker counts tensor storage only: not the CUDA context, not allocator rounding or
+          fragmentation, not scratch memory a kernel allocates internally (oneDNN, cuBLAS
+          workspaces). On CUDA the allocator backend includes rounding to 512-byte blocks.
+        * The tracker cannot see what was allocated before the region: its baseline is the bytes
+          of ``include`` (0 without it), and only tensors in ``include`` are subtracted when they
+          are freed inside the region.
+        * Code compiled with ``torch.compile`` runs its kernels below the dispatcher; measure it
+          with the CUDA allocator.
+        * Measuring slows every op a little; time code outside a measured region.
+    """
+
+    def __init__(self, device: torch.device | str, *, backend: str = "auto", phase: str = "region",
+                 timeline: bool = True, include: Any = None) -> None:
+        if not isinstance(device, (str, torch.device)):
+            raise TypeError(f"device must be a string or torch.device, not {type(device).__name__}")
+        self.device = torch.device(device)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "auto":
+            backend = "cuda-allocator" if self.device.type == "cuda" else "tracker"
+        if backend == "cuda-allocator" and self.device.type != "cuda":
+            raise ValueError(f"the cuda-allocator backend needs a CUDA device, got {str(self.device)!r}")
+        self.backend = backend
+        self.keep_timeline = timeline
+        for _ in _iter_tensors(include):  # fail early on a wrong type, but keep no reference to
+            pass                           # the tensors: holding one would keep them from being freed
+        self._include = include
+        self.measurement = MemoryMeasurement(device=device_name(self.device), backend=backend)
+        self.measurement.phase(phase)
+        self._mode: TorchDispatchMode | None = None
+
+    def __enter__(self) -> MemoryMeasurement:
+        recorder = _Recorder(self.measurement)
+        self._recorder = recorder
+        if self.backend == "cuda-allocator":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._baseline = torch.cuda.memory_allocated(self.device)
+            self.measurement.baseline_bytes = self._baseline
+            if self.keep_timeline:
+                self._mode = _AllocatorSamplerMode(recorder, self.device, self._baseline)
+        else:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._mode = _StorageTrackerMode(recorder, self.device.type)
+            self.measurement.baseline_bytes = self._mode.follow_existing(_iter_tensors(self._include))
+            self._include = None
+        recorder.sample(0)
+        if self._mode is not None:
+            self._mode.__enter__()
+        return self.measurement
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(*exc_info)
+        measurement = self.measurement
+        if self.backend == "cuda-allocator":
+            torch.cuda.synchronize(self.device)
+            end = torch.cuda.memory_allocated(self.device) - self._baseline
+            self._recorder.sample(end)
+            measurement.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._baseline
+            measurement.reserved_peak_bytes = torch.cuda.max_memory_reserved(self.device)
+            measurement.end_bytes = end
+        else:
+            assert isinstance(self._mode, _StorageTrackerMode)
+            self._mode.stop()
+            measurement.peak_bytes = self._recorder.peak
+            measurement.end_bytes = self._recorder.current
+        if not self.keep_timeline:
+            measurement.timeline = measurement.timeline[:1] + measurement.timeline[-1:]
+        measurement._finished = True

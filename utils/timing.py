@@ -1,0 +1,116 @@
+"""Honest timing: warm-up, synchronisation, repeats, median and spread.
+
+Introduced in notebook 00. CUDA kernels run asynchronously: a host clock read right after a
+launch measures the launch, not the work. ``time_fn`` therefore times each repeat with CUDA events
+(and synchronises) on CUDA, and with ``time.perf_counter`` on the CPU, after warm-up calls that pay
+for one-off costs (allocator growth, cuDNN autotuning, lazy initialisation, compilation).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .env import device_name
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Times of repeated calls, in milliseconds.
+
+    Attributes:
+        device: the device's human name.
+        samples_ms: one time per repeat, in call order.
+        warmup: calls made before timing started.
+    """
+
+    device: str
+    samples_ms: tuple[float, ...]
+    warmup: int
+
+    @property
+    def median_ms(self) -> float:
+        """Median time per call: robust to the odd slow repeat."""
+        return statistics.median(self.samples_ms)
+
+    @property
+    def min_ms(self) -> float:
+        """Fastest call."""
+        return min(self.samples_ms)
+
+    @property
+    def spread_ms(self) -> float:
+        """Interquartile range (75th minus 25th percentile): how noisy the measurement is."""
+        if len(self.samples_ms) < 2:
+            return 0.0
+        quartiles = statistics.quantiles(self.samples_ms, n=4, method="inclusive")
+        return quartiles[2] - quartiles[0]
+
+    def summary(self) -> str:
+        """e.g. ``12.31 ms median (IQR 0.40 ms, 10 repeats after 2 warm-up) on CPU x86_64, 2 threads``."""
+        return (f"{self.median_ms:.3f} ms median (IQR {self.spread_ms:.3f} ms, {len(self.samples_ms)} repeats "
+                f"after {self.warmup} warm-up) on {self.device}")
+
+
+def time_fn(fn: Callable[[], object], device: torch.device | str, *, warmup: int = 2,
+            repeats: int = 10) -> Timing:
+    """Time ``fn()`` honestly: warm-up calls, then ``repeats`` timed calls.
+
+    Args:
+        fn: a function of no arguments (wrap arguments with a lambda or functools.partial).
+        device: where the work runs; on CUDA each call is timed with CUDA events.
+        warmup: untimed calls first (>= 0).
+        repeats: timed calls (>= 1).
+
+    Returns:
+        A ``Timing`` with the median and interquartile range.
+
+    Example:
+        >>> timing = time_fn(lambda: model(x).sum().backward(), "cpu", warmup=1, repeats=5)
+        >>> timing.median_ms
+
+    Known limitations:
+        Each repeat is timed separately, so on CUDA the launch gaps between calls are included;
+        for kernels of a few microseconds, time a loop of many calls instead.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
+    for _ in range(warmup):
+        fn()
+    samples: list[float] = []
+    if on_cuda:
+        torch.cuda.synchronize(device)
+    for _ in range(repeats):
+        if on_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            started = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - started) * 1e3)
+    return Timing(device=device_name(device), samples_ms=tuple(samples), warmup=warmup)
+
+
+def speedup(baseline: Timing, candidate: Timing) -> float:
+    """How many times faster ``candidate`` is than ``baseline`` (ratio of medians, > 1 is faster).
+
+    Both timings should come from the same run on the same device: ratios travel between
+    machines far better than absolute times.
+    """
+    if baseline.device != candidate.device:
+        raise ValueError(f"timings come from different devices: {baseline.device!r} vs {candidate.device!r}")
+    return baseline.median_ms / candidate.median_ms
