@@ -102,3 +102,18 @@ def test_cuda_allocator_agrees_with_tracker():
             kept = torch.empty(1024, 1024, device="cuda")
         assert mem.end_bytes == 4 * 2**20, backend
         del kept
+
+
+def test_track_saved_tensors_counts_activations_not_weights():
+    model = utils.MLP(16, 32, 4, num_hidden_layers=2)
+    x = torch.randn(8, 16)
+    with utils.track_saved_tensors(exclude=model) as saved:
+        out = model(x)
+    # the input and one (8, 32) tensor per hidden layer (ReLU's output, also the next Linear's input)
+    assert saved.bytes == 8 * 16 * 4 + 2 * 8 * 32 * 4 and saved.count == 3
+    with utils.track_saved_tensors() as everything:
+        out = model(x)
+    assert everything.bytes > saved.bytes        # the weights Linear saves are counted now
+    del out
+    with pytest.raises(TypeError):
+        utils.track_saved_tensors(exclude=3.5j)

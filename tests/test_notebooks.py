@@ -22,7 +22,10 @@ NOTEBOOK_PATHS = list_notebooks()
 IDS = [path.stem for path in NOTEBOOK_PATHS]
 # seconds one check-mode run may take on a 2-core CI machine (measured: about half of each)
 CHECK_BUDGET_S = {"00_measuring_memory_and_time": 30, "01_parameter_footprint": 30,
-                  "02_gradient_accumulation": 30, "03_activation_checkpointing": 30}
+                  "02_gradient_accumulation": 30, "03_activation_checkpointing": 30,
+                  "04_mixed_precision": 30,
+                  # a cold Inductor cache compiles C++ for each graph: ~20 s here, ~5 s once cached
+                  "05_torch_compile": 90}
 NBVAL_EXPECTED = ROOT / "tests" / "nbval_expected.json"
 
 
@@ -116,6 +119,24 @@ EXPECTED_FIGURES = {
         "predicted_best_segments": lambda v, f: v > 1,
         "linear_relu_per_layer_peak_ratio": lambda v, f: v >= 0.95,
         "whole_model_memory_saving": lambda v, f: v < f["every_block_memory_saving"],
+    },
+    "04_mixed_precision": {
+        "fp16_gradient_subnormal_fraction": lambda v, f: v > 0.01,
+        "bf16_gradient_subnormal_fraction": lambda v, f: v == 0,
+        "fp16_unscaled_lost_fraction": lambda v, f: v > 0,
+        "bf16_over_fp32_forward_memory": lambda v, f: 0.4 < v < 0.75,
+        "matmul_speedup_bf16": lambda v, f: v > 0,
+        "matmul_speedup_fp16": lambda v, f: v > 0,
+        "step_speedup_bf16": lambda v, f: v > 0,
+        "bf16_final_loss_gap": lambda v, f: v < 0.05,
+    },
+    "05_torch_compile": {
+        "compile_seconds": lambda v, f: v > 0,
+        "train_step_speedup": lambda v, f: v > 0,
+        "elementwise_speedup": lambda v, f: v > 0,
+        "mlp_forward_speedup": lambda v, f: v > 0,
+        "recompiles_static_shapes": lambda v, f: v == 4,
+        "saved_activation_ratio_compiled_vs_eager": lambda v, f: v < 1,
     },
 }
 

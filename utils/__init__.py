@@ -10,7 +10,8 @@ from .footprint import (BytesPerParameter, ModelStateFootprint, bytes_per_parame
                         max_trainable_parameters, predict_mlp_activation_bytes, predict_model_state)
 from .grads import (GradientAudit, assert_all_parameters_have_gradients, audit_gradients, parameter_changes,
                     snapshot_parameters)
-from .memory import MemoryMeasurement, MemorySample, measure_memory, tensor_bytes, to_mib
+from .memory import (MemoryMeasurement, MemorySample, SavedTensors, measure_memory, tensor_bytes, to_mib,
+                     track_saved_tensors)
 from .models import MLP, SmallConvNet, TinyTransformer, TransformerBlock, make_classification_data, make_token_data
 from .plots import plot_memory_timeline, plot_stacked_bars, save_figure
 from .results import Results, load_results
@@ -23,7 +24,8 @@ __all__ = [
     "max_trainable_parameters", "predict_mlp_activation_bytes", "predict_model_state",
     "GradientAudit", "assert_all_parameters_have_gradients", "audit_gradients", "parameter_changes",
     "snapshot_parameters",
-    "MemoryMeasurement", "MemorySample", "measure_memory", "tensor_bytes", "to_mib",
+    "MemoryMeasurement", "MemorySample", "SavedTensors", "measure_memory", "tensor_bytes", "to_mib",
+    "track_saved_tensors",
     "MLP", "SmallConvNet", "TinyTransformer", "TransformerBlock", "make_classification_data", "make_token_data",
     "plot_memory_timeline", "plot_stacked_bars", "save_figure",
     "Results", "load_results",

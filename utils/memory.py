@@ -360,3 +360,64 @@ class measure_memory:  # noqa: N801 - used as a context manager, reads like a fu
         if not self.keep_timeline:
             measurement.timeline = measurement.timeline[:1] + measurement.timeline[-1:]
         measurement._finished = True
+
+
+@dataclass
+class SavedTensors:
+    """What autograd saved for backward inside a ``track_saved_tensors`` block.
+
+    Attributes:
+        bytes: bytes of the distinct storages saved (a storage saved twice counts once).
+        count: number of distinct storages.
+    """
+
+    bytes: int = 0
+    count: int = 0
+
+    @property
+    def mib(self) -> float:
+        """``bytes`` in MiB."""
+        return to_mib(self.bytes)
+
+
+class track_saved_tensors:  # noqa: N801 - used as a context manager, reads like a function
+    """Count the bytes autograd saves for backward (the "activations"), eager or compiled.
+
+    It uses ``torch.autograd.graph.saved_tensors_hooks``, which sees every tensor an operation
+    saves with ``save_for_backward``, including the tensors a ``torch.compile``'d graph saves for
+    its backward, where the memory tracker cannot look inside. Introduced in notebook 05.
+
+    Args:
+        exclude: tensors not to count (typically the model, whose weights Linear layers save):
+            a tensor, module, optimizer or lists of them, as ``tensor_bytes`` accepts.
+
+    Example:
+        >>> with track_saved_tensors(exclude=model) as saved:
+        ...     loss = model(x).sum()
+        >>> saved.bytes
+
+    Known limitations:
+        Tensors kept alive by other means (a Python reference, a module's cache) are not counted;
+        use ``measure_memory`` for everything that is allocated.
+    """
+
+    def __init__(self, exclude: Any = None) -> None:
+        self._excluded = {t.untyped_storage()._cdata for t in _iter_tensors(exclude)}
+        self.result = SavedTensors()
+        self._seen: dict[int, int] = {}
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage._cdata not in self._excluded and storage._cdata not in self._seen:
+            self._seen[storage._cdata] = storage.nbytes()
+            self.result.bytes += storage.nbytes()
+            self.result.count += 1
+        return tensor
+
+    def __enter__(self) -> SavedTensors:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._hooks.__enter__()
+        return self.result
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._hooks.__exit__(*exc_info)
