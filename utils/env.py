@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import random
+from pathlib import Path
 
 import torch
 
@@ -131,14 +132,12 @@ def seed_everything(seed: int) -> None:
 BUILD_DIR_VARIABLE = "PYTORCH_INTRO_BUILD_DIR"
 
 
-def build_dir() -> "Path":
+def build_dir() -> Path:
     """Where executed notebooks, figures and recorded results go: ``build/`` at the repo root.
 
     ``PYTORCH_INTRO_BUILD_DIR`` moves it (the tests point it at a temporary folder so that a
     check-mode run never overwrites the results of a full ``make run``).
     """
-    from pathlib import Path
-
     override = os.environ.get(BUILD_DIR_VARIABLE, "").strip()
     if override:
         return Path(override).resolve()
