@@ -98,3 +98,17 @@ def test_synthetic_data_is_deterministic_and_learnable_shape():
     assert a[1].min() >= 0 and a[1].max() < 3
     with pytest.raises(ValueError):
         utils.make_token_data(0, 4, 4)
+
+
+def test_flat_gradients_concatenates_and_optionally_zeroes():
+    model = torch.nn.Linear(3, 2)
+    model(torch.ones(1, 3)).sum().backward()
+    flat = utils.flat_gradients(model)
+    assert flat.shape == (8,) and torch.equal(flat[:6], torch.ones(6)) and torch.equal(flat[6:], torch.ones(2))
+    assert model.weight.grad is not None
+    utils.flat_gradients(model, zero=True)
+    assert model.weight.grad is None
+    with pytest.raises(ValueError, match="no gradient to collect for: weight, bias"):
+        utils.flat_gradients(model)
+    with pytest.raises(TypeError):
+        utils.flat_gradients([torch.zeros(1)])

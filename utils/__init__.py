@@ -8,8 +8,8 @@ from .env import (CHECK_MODE_VARIABLE, build_dir, check_mode, device_name, envir
                   seed_everything, supports_bf16)
 from .footprint import (BytesPerParameter, ModelStateFootprint, bytes_per_parameter, count_parameters,
                         max_trainable_parameters, predict_mlp_activation_bytes, predict_model_state)
-from .grads import (GradientAudit, assert_all_parameters_have_gradients, audit_gradients, parameter_changes,
-                    snapshot_parameters)
+from .grads import (GradientAudit, assert_all_parameters_have_gradients, audit_gradients, flat_gradients,
+                    parameter_changes, snapshot_parameters)
 from .memory import (MemoryMeasurement, MemorySample, SavedTensors, measure_memory, tensor_bytes, to_mib,
                      track_saved_tensors)
 from .models import MLP, SmallConvNet, TinyTransformer, TransformerBlock, make_classification_data, make_token_data
@@ -22,7 +22,7 @@ __all__ = [
     "seed_everything", "supports_bf16",
     "BytesPerParameter", "ModelStateFootprint", "bytes_per_parameter", "count_parameters",
     "max_trainable_parameters", "predict_mlp_activation_bytes", "predict_model_state",
-    "GradientAudit", "assert_all_parameters_have_gradients", "audit_gradients", "parameter_changes",
+    "GradientAudit", "assert_all_parameters_have_gradients", "audit_gradients", "flat_gradients", "parameter_changes",
     "snapshot_parameters",
     "MemoryMeasurement", "MemorySample", "SavedTensors", "measure_memory", "tensor_bytes", "to_mib",
     "track_saved_tensors",

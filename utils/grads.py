@@ -101,3 +101,31 @@ def parameter_changes(before: dict[str, torch.Tensor], model: torch.nn.Module) -
     if set(before) != set(current):
         raise ValueError("the snapshot and the model have different parameter names")
     return {name: float((current[name].detach() - before[name]).abs().max()) for name in before}
+
+
+def flat_gradients(model: torch.nn.Module, *, zero: bool = False) -> torch.Tensor:
+    """Every trainable parameter's gradient, concatenated into one detached flat vector.
+
+    Used to compare whole gradients at once (accumulated vs full batch in notebook 02,
+    checkpointed vs plain in notebook 03, mixed vs fp32 precision in notebook 04).
+
+    Args:
+        model: the module whose gradients to collect, after ``backward()``.
+        zero: set the gradients to None afterwards, ready for the next experiment.
+
+    Returns:
+        A 1-D tensor (a copy) in parameter order, in the gradients' own dtype.
+
+    Raises:
+        ValueError: a trainable parameter has no gradient (it names them; see ``audit_gradients``).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    missing = [name for name, p in named if p.grad is None]
+    if missing:
+        raise ValueError("no gradient to collect for: " + ", ".join(missing) + " (run backward() first)")
+    flat = torch.cat([p.grad.detach().flatten() for _, p in named])
+    if zero:
+        model.zero_grad(set_to_none=True)
+    return flat
