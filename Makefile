@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
+# Test processes run side by side (pytest-xdist), each notebook kernel with one torch thread: on a 2-core
+# machine two kernels of one thread each finish sooner than one kernel of two threads after another.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, os.cpu_count() or 1)))")
 
 .PHONY: help check test run lab student clean
 
@@ -17,8 +20,8 @@ $(INSTALLED): requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $@
 
-check: $(INSTALLED)  ## create .venv, install, run every test (notebooks in check mode)
-	$(PY) -m pytest
+check: $(INSTALLED)  ## create .venv, install, run every test (notebooks in check mode, in parallel)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=20
 
 test: check  ## same as check
 

@@ -1,5 +1,6 @@
-"""Every notebook: structure (no execution), check-mode execution with recorded figures, the
-invalid check-mode value, the student version, nbgrader's own generate_assignment, nbval-lax."""
+"""Every notebook: structure (no execution); one check-mode execution per notebook that also checks the
+recorded figures, the student version's first exercise and the nbval-marked outputs; the invalid check-mode
+value; nbgrader's own generate_assignment."""
 
 from __future__ import annotations
 
@@ -8,15 +9,16 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import nbformat
 import pytest
+from nbclient.exceptions import CellExecutionError
 from papermill.exceptions import PapermillExecutionError
 
 import utils
-from tools.nbtools import NOTEBOOKS, ROOT, execute, list_notebooks, student_version
+from tools.nbtools import (NBVAL_MARKER, NOTEBOOKS, ROOT, first_exercise_index, list_notebooks, run_check_mode,
+                           student_version)
 
 NOTEBOOK_PATHS = list_notebooks()
 IDS = [path.stem for path in NOTEBOOK_PATHS]
@@ -144,11 +146,17 @@ EXPECTED_FIGURES = {
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=IDS)
 def test_notebook_runs_in_check_mode(path, tmp_path):
-    started = time.perf_counter()
-    execute(path, tmp_path / "executed" / path.name, check_mode=True, build=tmp_path, timeout_s=300)
-    seconds = time.perf_counter() - started
-    print(f"{path.stem}: {seconds:.1f} s in check mode")
-    assert seconds < CHECK_BUDGET_S[path.stem], f"{path.stem} took {seconds:.1f} s"
+    """One execution per notebook checks everything that needs a kernel: every cell's assertions, the time
+    budget, the recorded figures, the saved plots, the student version's first exercise, and the outputs
+    of the cells marked ``# NBVAL_CHECK_OUTPUT`` (compared as nbval-lax does: stdout, exactly)."""
+    executed_path = tmp_path / "executed" / path.name
+    try:
+        run = run_check_mode(path, executed_path, build=tmp_path, timeout_s=300)
+    except CellExecutionError as error:
+        pytest.fail(f"{path.stem} failed in check mode (executed copy: {executed_path}):\n{error}", pytrace=False)
+    print(f"{path.stem}: {run.seconds:.1f} s in check mode")
+    assert run.seconds < CHECK_BUDGET_S[path.stem], f"{path.stem} took {run.seconds:.1f} s"
+
     recorded = utils.load_results(path.stem, tmp_path / "results")
     assert recorded["check_mode"] is True
     figures = {name: fig["value"] for name, fig in recorded["figures"].items()}
@@ -156,6 +164,42 @@ def test_notebook_runs_in_check_mode(path, tmp_path):
         assert name in figures, f"{path.stem} did not record {name}"
         assert check(figures[name], figures), f"{path.stem}: {name} = {figures[name]}"
     assert list((tmp_path / "figures").glob(f"{path.stem[:2]}_*.png")), "the notebook saves its figures"
+
+    # the student version runs the lesson and stops at its first exercise: its exercise cell raises, or
+    # (when the answer is a function) the test cell that calls it
+    assert run.student_error == "NotImplementedError", \
+        f"the student's first exercise must raise NotImplementedError, got {run.student_error}"
+
+    expected = json.loads(NBVAL_EXPECTED.read_text()).get(path.stem, {})
+    assert set(run.marked_outputs) == set(expected)
+    if recorded["device"].startswith("CPU"):      # the expected outputs are the CPU tracker's exact bytes
+        for cell_id, text in expected.items():
+            assert run.marked_outputs[cell_id] == text, f"cell {cell_id} printed:\n{run.marked_outputs[cell_id]}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=IDS)
+def test_student_version_matches_the_lesson_up_to_its_first_exercise(path):
+    """Why one run is enough: up to the first exercise the student runs exactly the instructor's cells."""
+    source = nbformat.read(path, as_version=4)
+    student = student_version(source)
+    first = first_exercise_index(source)
+    assert [_source(c) for c in student.cells[:first]] == [_source(c) for c in source.cells[:first]]
+    assert "### BEGIN SOLUTION" not in "".join(_source(c) for c in student.cells)
+    assert "raise NotImplementedError()" in _source(student.cells[first])
+    first_grade_ids = {student.cells[first].metadata["nbgrader"]["grade_id"],
+                       student.cells[first + 1].metadata["nbgrader"]["grade_id"]}
+    assert first_grade_ids == {"exercise_1", "exercise_1_tests"}, first_grade_ids
+
+
+def test_papermill_can_override_the_parameters_cell():
+    """`make run` and readers use papermill -p: the injected cell must land right after `parameters`."""
+    import papermill
+
+    nb = papermill.iorw.load_notebook_node(str(NOTEBOOK_PATHS[0]))
+    injected = papermill.parameterize.parameterize_notebook(nb, {"SEED": 7})
+    tags = [c.metadata.get("tags", []) for c in injected.cells]
+    position = next(i for i, t in enumerate(tags) if "parameters" in t)
+    assert "injected-parameters" in tags[position + 1] and "SEED = 7" in _source(injected.cells[position + 1])
 
 
 @pytest.mark.notebook
@@ -176,30 +220,7 @@ def test_make_run_refuses_unknown_check_mode_value():
     assert done.returncode != 0 and "PYTORCH_INTRO_CHECK_MODE='true' is not understood" in done.stderr
 
 
-# --- exercises: student versions --------------------------------------------------------------
-
-@pytest.mark.notebook
-@pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=IDS)
-def test_student_version_stops_at_first_exercise(path, tmp_path):
-    source = nbformat.read(path, as_version=4)
-    student = student_version(source)
-    first_solution = next(i for i, c in enumerate(student.cells) if c.metadata.get("nbgrader", {}).get("solution"))
-    assert "### BEGIN SOLUTION" not in "".join(_source(c) for c in student.cells)
-    assert "raise NotImplementedError()" in _source(student.cells[first_solution])
-    student_path = tmp_path / path.name
-    nbformat.write(student, student_path)
-    with pytest.raises(PapermillExecutionError) as failure:
-        execute(student_path, tmp_path / "out.ipynb", check_mode=True, build=tmp_path, timeout_s=300)
-    assert failure.value.ename == "NotImplementedError"
-    executed = nbformat.read(tmp_path / "out.ipynb", as_version=4)
-    failed = [c.metadata.get("nbgrader", {}).get("grade_id") for c in executed.cells
-              if c.cell_type == "code" and any(o.get("output_type") == "error" for o in c.get("outputs", []))]
-    # the exercise's own cell raises, or (when the answer is a function) the test cell that calls it
-    first_exercise = {student.cells[first_solution].metadata["nbgrader"]["grade_id"],
-                      student.cells[first_solution + 1].metadata["nbgrader"]["grade_id"]}
-    assert len(failed) == 1 and failed[0] in first_exercise, \
-        f"the student version must run up to its first exercise and stop there, but failed at {failed}"
-
+# --- exercises -------------------------------------------------------------------------------
 
 def test_nbgrader_generate_assignment_accepts_the_notebooks(tmp_path):
     source = tmp_path / "source" / "course"
@@ -223,7 +244,7 @@ def test_nbgrader_generate_assignment_accepts_the_notebooks(tmp_path):
 # --- nbval: outputs that must stay stable ---------------------------------------------------------
 
 def _marked_cells(path: Path) -> dict[str, object]:
-    return {c.id: c for c in _cells(path) if c.cell_type == "code" and "# NBVAL_CHECK_OUTPUT" in _source(c)}
+    return {c.id: c for c in _cells(path) if c.cell_type == "code" and NBVAL_MARKER in _source(c)}
 
 
 def test_nbval_expectations_cover_exactly_the_marked_cells():
@@ -232,22 +253,10 @@ def test_nbval_expectations_cover_exactly_the_marked_cells():
         assert set(expected.get(path.stem, {})) == set(_marked_cells(path)), path.stem
 
 
-@pytest.mark.notebook
-@pytest.mark.parametrize("path", [p for p in NOTEBOOK_PATHS if _marked_cells(p)],
-                         ids=[p.stem for p in NOTEBOOK_PATHS if _marked_cells(p)])
-def test_nbval_lax_marked_cells(path, tmp_path):
-    """nbval compares marked cells with stored outputs; sources have none, so we insert the expected ones."""
-    expected = json.loads(NBVAL_EXPECTED.read_text())[path.stem]
-    nb = nbformat.read(path, as_version=4)
-    for cell in nb.cells:
-        if cell.id in expected:
-            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=expected[cell.id])]
-            cell.execution_count = 1       # nbval refuses outputs on a cell marked as never run
-    reference = tmp_path / path.name
-    nbformat.write(nb, reference)
-    env = {**os.environ, "PYTORCH_INTRO_CHECK_MODE": "1", "PYTORCH_INTRO_BUILD_DIR": str(tmp_path),
-           "CUDA_VISIBLE_DEVICES": ""}     # the expected outputs are the CPU tracker's exact bytes
-    done = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-p", "no:cacheprovider", "-q",
-                           "--rootdir", str(tmp_path), str(reference)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+@pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=IDS)
+def test_marked_cells_come_before_the_exercises(path):
+    """The check run probes the student's first exercise in the same kernel; what it prints must not matter."""
+    cells = _cells(path)
+    first = first_exercise_index(nbformat.read(path, as_version=4))
+    marked = [i for i, c in enumerate(cells) if c.cell_type == "code" and NBVAL_MARKER in _source(c)]
+    assert all(i < first for i in marked), f"{path.stem}: a # NBVAL_CHECK_OUTPUT cell after the first exercise"
