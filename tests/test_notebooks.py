@@ -4,8 +4,10 @@ value; nbgrader's own generate_assignment."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -63,6 +65,32 @@ def test_structure(path):
                     "## Further reading"):
         assert heading in markdown, heading
     assert "sys.path" not in "\n".join(_source(c) for c in code), "import utils without sys.path edits"
+
+
+# phrases that put one machine's measurement into prose, where it is false on the next machine
+MACHINE_SPECIFIC = re.compile(r"we measured|measured on a \d+-core|on a \d+-core CPU we|about \d+(\.\d+)? ?×", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=IDS)
+def test_prose_quotes_no_machine_specific_measurement(path):
+    for cell in _cells(path):
+        if cell.cell_type == "markdown":
+            found = MACHINE_SPECIFIC.search(_source(cell))
+            assert not found, f"{path.stem}, cell {cell.id}: {found.group(0)!r}: print the figure from the measurement"
+
+
+@pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=IDS)
+def test_no_cell_shows_a_bare_return_value(path):
+    """`results.record(...)` returns its value and `utils.save_figure(...)` a path: as the last line of a cell
+    they would print an unexplained number or path under the cell's real output."""
+    for cell in _cells(path):
+        if cell.cell_type != "code":
+            continue
+        body = ast.parse(_source(cell)).body
+        last = body[-1] if body else None
+        if isinstance(last, ast.Expr) and isinstance(last.value, ast.Call) and isinstance(last.value.func, ast.Attribute):
+            assert last.value.func.attr not in ("record", "save_figure"), \
+                f"{path.stem}, cell {cell.id} ends with {last.value.func.attr}(...): assign it or end with a print"
 
 
 @pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=IDS)

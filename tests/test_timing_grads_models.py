@@ -28,6 +28,17 @@ def test_time_fn_bad_arguments():
         utils.time_fn(lambda: None, "cpu", warmup=-1)
 
 
+def test_time_fn_stops_repeating_at_max_seconds():
+    calls = []
+    timing = utils.time_fn(lambda: (calls.append(1), time.sleep(0.02)), "cpu", warmup=1, repeats=50, max_seconds=0.05)
+    assert 1 <= len(timing.samples_ms) <= 4 and len(calls) == 1 + len(timing.samples_ms)
+    once = utils.time_fn(lambda: time.sleep(0.01), "cpu", warmup=0, repeats=5, max_seconds=1e-6)
+    assert len(once.samples_ms) == 1, "at least one timed call, even past the limit"
+    for bad in (0, -1.0, "2", True):
+        with pytest.raises(ValueError, match="max_seconds"):
+            utils.time_fn(lambda: None, "cpu", max_seconds=bad)
+
+
 def test_speedup_is_a_ratio_of_medians_on_one_device():
     slow = utils.Timing("cpu-a", (10.0, 10.0, 10.0), 0)
     fast = utils.Timing("cpu-a", (5.0, 5.0, 5.0), 0)

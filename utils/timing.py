@@ -57,7 +57,7 @@ class Timing:
 
 
 def time_fn(fn: Callable[[], object], device: torch.device | str, *, warmup: int = 2,
-            repeats: int = 10) -> Timing:
+            repeats: int = 10, max_seconds: float | None = None) -> Timing:
     """Time ``fn()`` honestly: warm-up calls, then ``repeats`` timed calls.
 
     Args:
@@ -65,6 +65,9 @@ def time_fn(fn: Callable[[], object], device: torch.device | str, *, warmup: int
         device: where the work runs; on CUDA each call is timed with CUDA events.
         warmup: untimed calls first (>= 0).
         repeats: timed calls (>= 1).
+        max_seconds: stop repeating once the timed calls have taken this long (at least one call is
+            always timed). For a case that may be very slow on some hardware (fp16 matmuls on most
+            CPUs): ``len(timing.samples_ms)`` then says how many repeats were made. None: no limit.
 
     Returns:
         A ``Timing`` with the median and interquartile range.
@@ -83,6 +86,9 @@ def time_fn(fn: Callable[[], object], device: torch.device | str, *, warmup: int
         raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    if max_seconds is not None and (isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float))
+                                    or not max_seconds > 0):
+        raise ValueError(f"max_seconds must be a positive number of seconds or None, got {max_seconds!r}")
     device = torch.device(device)
     on_cuda = device.type == "cuda"
     for _ in range(warmup):
@@ -102,6 +108,8 @@ def time_fn(fn: Callable[[], object], device: torch.device | str, *, warmup: int
             started = time.perf_counter()
             fn()
             samples.append((time.perf_counter() - started) * 1e3)
+        if max_seconds is not None and sum(samples) >= max_seconds * 1e3:
+            break
     return Timing(device=device_name(device), samples_ms=tuple(samples), warmup=warmup)
 
 
