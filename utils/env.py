@@ -82,7 +82,8 @@ def device_name(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU {platform.machine()}, {torch.get_num_threads()} threads"
+    threads = torch.get_num_threads()
+    return f"CPU {platform.machine()}, {threads} thread{'s' if threads != 1 else ''}"
 
 
 def supports_bf16(device: torch.device | str) -> bool:
