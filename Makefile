@@ -37,3 +37,13 @@ student: $(INSTALLED)  ## write student versions (solutions removed) to build/st
 clean:  ## remove build/ and caches (keeps .venv; `rm -rf .venv` to reinstall)
 	rm -rf build .pytest_cache
 	find . -name __pycache__ -not -path './.venv/*' -prune -exec rm -rf {} +
+
+.PHONY: book results
+
+book: $(INSTALLED)  ## build the offline book in build/book/ from make run's notebooks (runs missing/stale ones first)
+	$(PY) tools/build_book.py
+
+results: $(INSTALLED)  ## file make run's full-mode figures under results/<device>/, time check mode, refresh README
+	-PYTORCH_INTRO_CHECK_MODE=1 PYTORCH_INTRO_BUILD_DIR=build/check $(PY) tools/run_notebooks.py
+	$(PY) tools/save_results.py --check-build build/check
+	$(PY) tools/readme_results.py

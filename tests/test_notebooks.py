@@ -29,7 +29,11 @@ CHECK_BUDGET_S = {"00_measuring_memory_and_time": 30, "01_parameter_footprint": 
                   "02_gradient_accumulation": 30, "03_activation_checkpointing": 30,
                   "04_mixed_precision": 30,
                   # a cold Inductor cache compiles C++ for each graph: ~20 s here, ~5 s once cached
-                  "05_torch_compile": 90}
+                  "05_torch_compile": 90,
+                  "06_profiling_where_the_time_goes": 10,
+                  "07_what_frees_memory": 10,
+                  # process start dominates: each rank is a fresh Python that imports torch
+                  "10_distributed_ddp_zero_fsdp": 25}
 NBVAL_EXPECTED = ROOT / "tests" / "nbval_expected.json"
 
 
@@ -167,6 +171,59 @@ EXPECTED_FIGURES = {
         "mlp_forward_speedup": lambda v, f: v > 0,
         "recompiles_static_shapes": lambda v, f: v == 4,
         "saved_activation_ratio_compiled_vs_eager": lambda v, f: v < 1,
+    },
+    "06_profiling_where_the_time_goes": {
+        "trace_ranges_found": lambda v, f: v == 4,
+        "profile_data_share": lambda v, f: 0 < v < 1,
+        "flops_per_step_analytic": lambda v, f: v == f["flops_per_step_counter"] == 26_861_568,
+        "flops_per_step_counter": lambda v, f: v > 0,
+        "sample_ms": lambda v, f: v > 0,
+        "model_step_ms": lambda v, f: v > 0,
+        "step_ms_0_workers": lambda v, f: v > 0,
+        "step_ms_2_workers": lambda v, f: v > 0,
+        "wait_share_0_workers": lambda v, f: 0 <= v <= 1,
+        "wait_share_2_workers": lambda v, f: 0 <= v <= 1,
+        "workers_needed": lambda v, f: v > 0,
+        "recommended_num_workers": lambda v, f: v == int(v) and 0 <= v <= max(0, (os.cpu_count() or 1) - 1),
+        "persistent_first_batch_speedup": lambda v, f: v > 0,
+        "forum_sample_bytes": lambda v, f: v == 2_857_728,
+        "forum_workers_needed": lambda v, f: v > 0,
+        "worker_augmentations_differ": lambda v, f: v == 1,
+        "seeded_loading_repeats": lambda v, f: v == 1,
+        "seeded_runs_bit_identical": lambda v, f: v == 1,
+        "peak_matmul_gflops": lambda v, f: v > 0,
+        "bandwidth_gbs": lambda v, f: v > 0,
+        "signature_a_data_share": lambda v, f: 0 <= v <= 1,
+        "signature_b_intensity": lambda v, f: 0 < v < f["signature_c_intensity"],
+    },
+    "07_what_frees_memory": {
+        "del_output_freed_bytes": lambda v, f: v == 0,
+        "leak_bytes_per_step": lambda v, f: abs(v - f["leak_predicted_bytes_per_step"]) <= 4096 and v > 0,
+        "leak_predicted_bytes_per_step": lambda v, f: v > 0,
+        "leak_graph_nodes_per_step": lambda v, f: v >= 2,
+        "inplace_relu_forward_peak_saving_bytes": lambda v, f: v > 0,
+        "inplace_relu_kept_saving_bytes": lambda v, f: v == 0,
+        "inplace_relu_step_peak_saving_bytes": lambda v, f: 0 <= v <= f["inplace_relu_forward_peak_saving_bytes"],
+        "eval_only_kept_ratio": lambda v, f: v == 1,
+        "no_grad_kept_ratio": lambda v, f: 0 < v < 0.1,
+        "memtracker_total_minus_measured_bytes": lambda v, f: abs(v) < 2**20,
+        "memtracker_optstate_minus_state_bytes": lambda v, f: abs(v - f["optimizer_temporaries_bytes"]) < 2**20,
+        "optimizer_temporaries_bytes": lambda v, f: v > 0,
+        "optimizer_in_backward_max_difference": lambda v, f: v < 1e-4,
+        "optimizer_in_backward_peak_ratio": lambda v, f: 0 < v < 1,
+        "gradients_alive_at_update_max": lambda v, f: v == 1,
+    },
+    "10_distributed_ddp_zero_fsdp": {
+        "launch_seconds_n2": lambda v, f: v > 0,
+        "max_weight_difference_vs_one_process": lambda v, f: v < 5e-4,
+        "no_sync_weight_difference": lambda v, f: v < 5e-4,
+        "fsdp_end_bytes_over_prediction": lambda v, f: v == 1.0,
+        "ddp_bytes_per_parameter": lambda v, f: 20 <= v < 20.01,
+        "no_reshard_extra_over_4psi": lambda v, f: v == 1.0,
+        "fsdp_over_ddp_communication": lambda v, f: abs(v - 1.5) < 1e-3,
+        "fsdp_over_ddp_step_time": lambda v, f: v > 0,
+        "dcp_reshard_weight_difference": lambda v, f: v < 5e-4,
+        "gpus_for_70b_fsdp": lambda v, f: v == 32,
     },
 }
 

@@ -4,6 +4,11 @@ Importing the package has no side effects (no seeding, no backend changes). The 
 ``import utils`` and call the helpers through it, e.g. ``utils.measure_memory(device)``.
 """
 
+from .activations import (BudgetUnavailable, activation_memory_budget, bf16_saved_activations, chunked_cross_entropy,
+                          has_activation_memory_budget)
+from .capacity import (TECHNIQUES, BatchSearch, CapacityError, Checkpointed, Technique, TechniqueCapacity,
+                       checkpoint_each, find_max_batch_size, largest_batches, make_train_step, predict_max_batch_size,
+                       run_under_budget, what_to_try_first)
 from .env import (CHECK_MODE_VARIABLE, build_dir, check_mode, device_name, environment_report, pick_device,
                   seed_everything, supports_bf16)
 from .footprint import (BytesPerParameter, ModelStateFootprint, bytes_per_parameter, count_parameters,
@@ -12,12 +17,26 @@ from .grads import (GradientAudit, assert_all_parameters_have_gradients, audit_g
                     parameter_changes, snapshot_parameters)
 from .memory import (MemoryMeasurement, MemorySample, SavedTensors, measure_memory, tensor_bytes, to_mib,
                      track_saved_tensors)
+from .memory_by_category import CATEGORIES, CategoryPeaks, measure_memory_by_category
 from .models import MLP, SmallConvNet, TinyTransformer, TransformerBlock, make_classification_data, make_token_data
+from .optim import OptimizerInBackward, attach_optimizer_in_backward
+from .parallel import LaunchError, ZeroFootprint, predict_communication_bytes, predict_zero_bytes_per_rank
 from .plots import plot_memory_timeline, plot_stacked_bars, save_figure
+from .profiling import (BOTTLENECK_VERDICTS, DataWaitTimer, RandomDrawDataset, SyntheticImageDataset,
+                        classify_bottleneck, linear_arithmetic_intensity, linear_flops, range_times_ms,
+                        recommend_num_workers, seed_worker, step_breakdown_ms, validate_trace, workers_needed)
 from .results import Results, load_results
+from .state import (AsyncCheckpointWriter, CheckpointError, PreemptionFlag, capture_rng_state, capture_training_state,
+                    copy_to_cpu, expected_overhead, load_checkpoint, restore_rng_state, restore_training_state,
+                    save_checkpoint, simulate_preemptions, young_daly_interval)
 from .timing import Timing, speedup, time_fn
 
 __all__ = [
+    "BudgetUnavailable", "activation_memory_budget", "bf16_saved_activations", "chunked_cross_entropy",
+    "has_activation_memory_budget",
+    "TECHNIQUES", "BatchSearch", "CapacityError", "Checkpointed", "Technique", "TechniqueCapacity", "checkpoint_each",
+    "find_max_batch_size", "largest_batches", "make_train_step", "predict_max_batch_size", "run_under_budget",
+    "what_to_try_first",
     "CHECK_MODE_VARIABLE", "build_dir", "check_mode", "device_name", "environment_report", "pick_device",
     "seed_everything", "supports_bf16",
     "BytesPerParameter", "ModelStateFootprint", "bytes_per_parameter", "count_parameters",
@@ -27,7 +46,16 @@ __all__ = [
     "MemoryMeasurement", "MemorySample", "SavedTensors", "measure_memory", "tensor_bytes", "to_mib",
     "track_saved_tensors",
     "MLP", "SmallConvNet", "TinyTransformer", "TransformerBlock", "make_classification_data", "make_token_data",
+    "CATEGORIES", "CategoryPeaks", "measure_memory_by_category",
+    "OptimizerInBackward", "attach_optimizer_in_backward",
+    "LaunchError", "ZeroFootprint", "predict_communication_bytes", "predict_zero_bytes_per_rank",
     "plot_memory_timeline", "plot_stacked_bars", "save_figure",
+    "BOTTLENECK_VERDICTS", "DataWaitTimer", "RandomDrawDataset", "SyntheticImageDataset", "classify_bottleneck",
+    "linear_arithmetic_intensity", "linear_flops", "range_times_ms", "recommend_num_workers", "seed_worker",
+    "step_breakdown_ms", "validate_trace", "workers_needed",
     "Results", "load_results",
+    "AsyncCheckpointWriter", "CheckpointError", "PreemptionFlag", "capture_rng_state", "capture_training_state",
+    "copy_to_cpu", "expected_overhead", "load_checkpoint", "restore_rng_state", "restore_training_state",
+    "save_checkpoint", "simulate_preemptions", "young_daly_interval",
     "Timing", "speedup", "time_fn",
 ]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from .env import device_name
@@ -180,24 +180,66 @@ class _Recorder:
             timeline.append(MemorySample(len(timeline), self.measurement._phase, current))
 
 
-class _StorageTrackerMode(TorchDispatchMode):
-    """Follows every storage an aten op returns on one device type; frees arrive via weakref."""
+def _unwrap_subclasses(objects: Any) -> Iterator[Any]:
+    """The objects, with each tensor subclass that wraps tensors (DTensor) replaced by its inner tensors."""
+    for obj in objects:
+        if isinstance(obj, torch.Tensor) and is_traceable_wrapper_subclass(obj):
+            names, _ = obj.__tensor_flatten__()
+            yield from _unwrap_subclasses(getattr(obj, name) for name in names)
+        else:
+            yield obj
 
-    def __init__(self, recorder: _Recorder, device_type: str) -> None:
+
+class _StorageTrackerMode(TorchDispatchMode):
+    """Follows every storage an aten op returns on one device type; frees arrive via weakref.
+
+    Tensor subclasses that wrap other tensors (DTensor, ...) are followed through the inner tensors
+    they hold (a DTensor by its local shard): the wrapper's own storage holds no data, and its size
+    is the *logical* tensor's, so counting it would count a full model per sharded tensor.
+    With ``watch_resizes`` every followed storage's size is re-read before each op, so that a
+    storage shrunk or regrown outside the dispatcher (``untyped_storage().resize_``, how FSDP2
+    frees and re-allocates all-gathered parameters) shows up at the next op.
+    """
+
+    def __init__(self, recorder: _Recorder, device_type: str, watch_resizes: bool = False,
+                 budget_bytes: int | None = None) -> None:
         super().__init__()
         self.recorder = recorder
+        self.budget_bytes = budget_bytes  # total followed bytes (baseline included) allowed, or None
+        self.baseline = 0
         self.device_type = device_type
         self.live: dict[int, int] = {}  # storage id -> bytes
         self.finalizers: list[weakref.finalize] = []
         self.active = True
+        self.watch_resizes = watch_resizes
+        self.storages: dict[int, weakref.ref] = {}  # storage id -> the storage, with watch_resizes
+
+    def reconcile(self) -> None:
+        """Re-read the size of every followed storage (resizes done outside the dispatcher)."""
+        with self.recorder.lock:
+            for key, ref in list(self.storages.items()):
+                storage = ref()
+                if storage is None or key not in self.live:
+                    self.storages.pop(key, None)
+                    continue
+                nbytes = storage.nbytes()
+                if nbytes != self.live[key]:
+                    self.recorder.sample(self.recorder.current + nbytes - self.live[key])
+                    self.live[key] = nbytes
+
+    def _watch(self, key: int, storage: torch.UntypedStorage) -> None:
+        if self.watch_resizes:
+            self.storages[key] = weakref.ref(storage)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        if self.watch_resizes:
+            self.reconcile()
         out = func(*args, **kwargs)
         inputs, _ = tree_flatten((args, kwargs))
-        input_storages = {t.untyped_storage()._cdata for t in inputs if self._follows(t)}
+        input_storages = {t.untyped_storage()._cdata for t in _unwrap_subclasses(inputs) if self._follows(t)}
         outputs, _ = tree_flatten(out)
-        for tensor in outputs:
+        for tensor in _unwrap_subclasses(outputs):
             if not self._follows(tensor):
                 continue
             storage = tensor.untyped_storage()
@@ -212,15 +254,21 @@ class _StorageTrackerMode(TorchDispatchMode):
                 fresh = func is torch.ops.aten.lift_fresh.default  # torch.tensor(data) arrives so
                 if (key in input_storages and not fresh) or nbytes == 0:
                     continue  # a view or an in-place result of something that existed already
+                if self.budget_bytes is not None and self.baseline + self.recorder.current + nbytes > self.budget_bytes:
+                    # the new storage is not followed; it dies when the exception unwinds the op's caller
+                    raise torch.OutOfMemoryError(
+                        f"memory budget exceeded (tracker): {func} asked for {nbytes:,} bytes with "
+                        f"{self.baseline + self.recorder.current:,} of the {self.budget_bytes:,}-byte budget in use")
                 self.live[key] = nbytes
                 self.finalizers.append(weakref.finalize(storage, self._free, key))
+                self._watch(key, storage)
                 self.recorder.sample(self.recorder.current + nbytes)
         return out
 
     def follow_existing(self, tensors: Iterator[torch.Tensor]) -> int:
         """Follow storages that exist already (without a sample); returns their bytes."""
         total = 0
-        for tensor in tensors:
+        for tensor in _unwrap_subclasses(tensors):
             if not self._follows(tensor):
                 continue
             storage = tensor.untyped_storage()
@@ -229,11 +277,12 @@ class _StorageTrackerMode(TorchDispatchMode):
             self.live[storage._cdata] = storage.nbytes()
             total += storage.nbytes()
             self.finalizers.append(weakref.finalize(storage, self._free, storage._cdata))
+            self._watch(storage._cdata, storage)
         return total
 
     def _follows(self, obj: Any) -> bool:
         return (isinstance(obj, torch.Tensor) and obj.device.type == self.device_type
-                and obj.layout == torch.strided)
+                and obj.layout == torch.strided and not is_traceable_wrapper_subclass(obj))
 
     def _free(self, key: int) -> None:
         with self.recorder.lock:
@@ -243,6 +292,8 @@ class _StorageTrackerMode(TorchDispatchMode):
             self.recorder.sample(self.recorder.current - nbytes)
 
     def stop(self) -> None:
+        if self.watch_resizes:
+            self.reconcile()
         self.active = False
         for finalizer in self.finalizers:
             finalizer.detach()
@@ -276,6 +327,18 @@ class measure_memory:  # noqa: N801 - used as a context manager, reads like a fu
             tensor, module, optimizer, or lists of them): they form its baseline, and freeing one
             inside the region (``optimizer.zero_grad()``) shows as a fall below it. The CUDA
             allocator sees everything anyway and ignores this.
+        watch_resizes: tracker only (default False): re-read every followed storage's size before
+            each op and at the end, to see storages resized outside the dispatcher
+            (``untyped_storage().resize_(0)``, how FSDP2 frees all-gathered parameters; notebook
+            10). Costs time proportional to the live storages on every op.
+        budget_bytes: a memory budget in bytes (default None: none), so that code can run out of
+            memory on purpose (notebook 09's batch-size search). With the tracker, an op whose
+            new storage would take the followed bytes (the ``include`` baseline plus what the
+            region allocated) past it raises ``torch.OutOfMemoryError``, like a GPU would; with
+            the CUDA allocator it is ``torch.cuda.set_per_process_memory_fraction(budget / total)``
+            for the duration of the region (the allocator then raises the same error; the budget
+            there counts everything the process allocated on the device, and the fraction is reset
+            to 1.0 afterwards).
 
     Yields:
         A ``MemoryMeasurement``; its ``peak_bytes``, ``end_bytes`` and timeline are filled in when
@@ -292,6 +355,9 @@ class measure_memory:  # noqa: N801 - used as a context manager, reads like a fu
         * The tracker counts tensor storage only: not the CUDA context, not allocator rounding or
           fragmentation, not scratch memory a kernel allocates internally (oneDNN, cuBLAS
           workspaces). On CUDA the allocator backend includes rounding to 512-byte blocks.
+        * Tensor subclasses that wrap other tensors (DTensor) are counted by their inner tensors.
+          A storage resized outside the dispatcher is only seen with ``watch_resizes=True``, and
+          then at the next op (a free and a re-allocation between two ops are not seen).
         * The tracker cannot see what was allocated before the region: its baseline is the bytes
           of ``include`` (0 without it), and only tensors in ``include`` are subtracted when they
           are freed inside the region.
@@ -301,7 +367,8 @@ class measure_memory:  # noqa: N801 - used as a context manager, reads like a fu
     """
 
     def __init__(self, device: torch.device | str, *, backend: str = "auto", phase: str = "region",
-                 timeline: bool = True, include: Any = None) -> None:
+                 timeline: bool = True, include: Any = None, watch_resizes: bool = False,
+                 budget_bytes: int | None = None) -> None:
         if not isinstance(device, (str, torch.device)):
             raise TypeError(f"device must be a string or torch.device, not {type(device).__name__}")
         self.device = torch.device(device)
@@ -313,6 +380,13 @@ class measure_memory:  # noqa: N801 - used as a context manager, reads like a fu
             raise ValueError(f"the cuda-allocator backend needs a CUDA device, got {str(self.device)!r}")
         self.backend = backend
         self.keep_timeline = timeline
+        if not isinstance(watch_resizes, bool):
+            raise TypeError(f"watch_resizes must be a bool, not {type(watch_resizes).__name__}")
+        self.watch_resizes = watch_resizes
+        if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
+                                         or budget_bytes <= 0):
+            raise ValueError(f"budget_bytes must be a positive int (bytes) or None, got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
         for _ in _iter_tensors(include):  # fail early on a wrong type, but keep no reference to
             pass                           # the tensors: holding one would keep them from being freed
         self._include = include
@@ -325,6 +399,9 @@ class measure_memory:  # noqa: N801 - used as a context manager, reads like a fu
         self._recorder = recorder
         if self.backend == "cuda-allocator":
             torch.cuda.synchronize(self.device)
+            if self.budget_bytes is not None:
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_bytes / total), self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._baseline = torch.cuda.memory_allocated(self.device)
             self.measurement.baseline_bytes = self._baseline
@@ -333,8 +410,9 @@ class measure_memory:  # noqa: N801 - used as a context manager, reads like a fu
         else:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self._mode = _StorageTrackerMode(recorder, self.device.type)
+            self._mode = _StorageTrackerMode(recorder, self.device.type, self.watch_resizes, self.budget_bytes)
             self.measurement.baseline_bytes = self._mode.follow_existing(_iter_tensors(self._include))
+            self._mode.baseline = self.measurement.baseline_bytes
             self._include = None
         recorder.sample(0)
         if self._mode is not None:
@@ -347,6 +425,8 @@ class measure_memory:  # noqa: N801 - used as a context manager, reads like a fu
         measurement = self.measurement
         if self.backend == "cuda-allocator":
             torch.cuda.synchronize(self.device)
+            if self.budget_bytes is not None:
+                torch.cuda.set_per_process_memory_fraction(1.0, self.device)
             end = torch.cuda.memory_allocated(self.device) - self._baseline
             self._recorder.sample(end)
             measurement.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._baseline

@@ -1,0 +1,197 @@
+"""utils.parallel (predictions, launcher checks) and utils.distributed (the training script), plus the memory
+tracker's handling of DTensors and storages resized outside the dispatcher (notebook 10). No torchrun launch
+here: the script runs in-process as a one-rank job."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import utils
+from utils import parallel
+
+
+# --- predictions ------------------------------------------------------------------------------------
+
+def test_zero_stages_follow_the_paper():
+    psi, n = 1000, 4
+    stage = {s: parallel.predict_zero_bytes_per_rank(psi, n, s) for s in range(4)}
+    assert stage[0].total_bytes == 16 * psi
+    assert (stage[1].params_bytes, stage[1].grads_bytes, stage[1].optimizer_bytes) == (4 * psi, 4 * psi, 8 * psi // n)
+    assert (stage[2].params_bytes, stage[2].grads_bytes, stage[2].optimizer_bytes) == \
+        (4 * psi, 4 * psi // n, 8 * psi // n)
+    assert stage[3].total_bytes == 16 * psi // n
+    mixed = parallel.predict_zero_bytes_per_rank(7 * 10**9, 8, 3, precision="mixed")
+    assert mixed.total_bytes == 14 * 10**9 and mixed.master_bytes == 4 * 7 * 10**9 // 8
+
+
+def test_step_counters_per_stage():
+    with_counters = {s: parallel.predict_zero_bytes_per_rank(1000, 4, s, num_tensors=8).optimizer_bytes
+                     for s in range(4)}
+    without = {s: parallel.predict_zero_bytes_per_rank(1000, 4, s).optimizer_bytes for s in range(4)}
+    assert [with_counters[s] - without[s] for s in range(4)] == [32, 8, 8, 32]
+
+
+@pytest.mark.parametrize("kwargs", [dict(stage=4), dict(world_size=0), dict(num_parameters=True), dict(num_tensors=-1)])
+def test_zero_prediction_rejects_bad_input(kwargs):
+    arguments = dict(num_parameters=100, world_size=2, stage=1) | kwargs
+    stage = arguments.pop("stage")
+    with pytest.raises(ValueError):
+        parallel.predict_zero_bytes_per_rank(arguments.pop("num_parameters"), arguments.pop("world_size"), stage,
+                                             **arguments)
+
+
+def test_communication_prediction():
+    assert all(parallel.predict_communication_bytes(1000, 1, s) == 0 for s in parallel.STRATEGIES)
+    ddp = parallel.predict_communication_bytes(1000, 4, "ddp")
+    assert ddp == 2 * 3 * 4000 // 4
+    assert parallel.predict_communication_bytes(1000, 4, "fsdp") == 1.5 * ddp
+    assert parallel.predict_communication_bytes(1000, 4, "fsdp-no-reshard") == ddp
+    with pytest.raises(ValueError, match="unknown strategy 'zero3'"):
+        parallel.predict_communication_bytes(1000, 4, "zero3")
+    with pytest.raises(ValueError, match="world_size"):
+        parallel.predict_communication_bytes(1000, 0, "ddp")
+
+
+# --- checks before a launch -----------------------------------------------------------------------------
+
+def test_strategy_and_world_size_checks():
+    assert parallel.check_strategy("fsdp") == "fsdp"
+    with pytest.raises(ValueError, match="expected one of"):
+        parallel.check_strategy("zero2")
+    parallel.check_world_size(4, 64)
+    with pytest.raises(ValueError, match="cannot be split over 3 ranks"):
+        parallel.check_world_size(3, 64)
+    with pytest.raises(ValueError, match="positive int"):
+        parallel.check_world_size(0, 64)
+
+
+def test_ports():
+    port = parallel.find_free_port()
+    parallel.check_port_free(port)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(OSError, match="in use: expected a free port"):
+            parallel.check_port_free(busy.getsockname()[1])
+    with pytest.raises(ValueError, match="1..65535"):
+        parallel.check_port_free(70000)
+
+
+def test_torchrun_command():
+    standalone = parallel.torchrun_command(2, ["--strategy", "ddp"])
+    assert standalone[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    assert standalone[-4:] == ["-m", "utils.distributed", "--strategy", "ddp"]
+    fixed = parallel.torchrun_command(2, [], port=29555)
+    assert "127.0.0.1:29555" in fixed and "--standalone" not in fixed
+    with pytest.raises(ValueError, match="nproc"):
+        parallel.torchrun_command(0, [])
+
+
+def test_launch_refuses_bad_input_before_starting_anything(tmp_path):
+    with pytest.raises(ValueError, match="unknown strategy"):
+        parallel.launch(2, strategies=["zero3"], out=tmp_path / "a")
+    with pytest.raises(ValueError, match="cannot be split"):
+        parallel.launch(3, strategies=["ddp"], out=tmp_path / "a", hidden=64)
+    with pytest.raises(ValueError, match="in_process runs one rank"):
+        parallel.launch(2, strategies=["ddp"], out=tmp_path / "a", in_process=True)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "ddp_rank0.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="expected a new folder"):
+        parallel.launch(1, strategies=["ddp"], out=tmp_path / "b")
+    assert not (tmp_path / "a").exists()
+
+
+def test_rank_errors_picks_the_root_cause():
+    stderr = "\n".join([
+        "[rank0]: Traceback (most recent call last):", "[rank0]: RuntimeError: Connection reset by peer",
+        "rank 1: killed while writing checkpoint step 2 (simulated preemption)",
+        "Failures:", "[1]:", "  rank      : 0 (local_rank: 0)", "  exitcode  : -15 (pid: 11)",
+        "Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 1)", "  exitcode  : 17 (pid: 12)",
+    ])
+    text = parallel.rank_errors(stderr)
+    assert text.splitlines()[0] == "first failure: rank 1"
+    assert "killed while writing" in text and "Connection reset" not in text
+    assert "rank 1: exit code 17" in text and "rank 0: exit code -15" in text
+
+
+# --- what the ranks train -----------------------------------------------------------------------------
+
+def test_ranks_split_each_step_into_disjoint_shards():
+    config = parallel.RunConfig(hidden=8, micro_batch=4, accumulation_steps=2, steps=4, steps_per_epoch=2)
+    whole = parallel.RunConfig(hidden=8, micro_batch=16, steps=4, steps_per_epoch=2)
+    for step in range(4):
+        per_rank = [sum(parallel.step_indices(config, 2, rank, step), []) for rank in range(2)]
+        assert set(per_rank[0]).isdisjoint(per_rank[1])
+        assert set(per_rank[0]) | set(per_rank[1]) == set(parallel.step_indices(whole, 1, 0, step)[0])
+    assert parallel.epoch_order(32, 2, 0, 0, seed=0) != parallel.epoch_order(32, 2, 0, 1, seed=0)
+
+
+def test_latest_complete_checkpoint_ignores_partial_folders(tmp_path):
+    assert parallel.latest_complete_checkpoint(tmp_path / "missing") is None
+    for name in ("step_000001", "step_000002", "step_000003.partial"):
+        (tmp_path / name).mkdir()
+    assert parallel.latest_complete_checkpoint(tmp_path).name == "step_000002"
+
+
+def test_script_needs_torchrun(monkeypatch, tmp_path):
+    import utils.distributed as script
+
+    for name in parallel.TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="must run under torchrun: RANK, WORLD_SIZE"):
+        script.main(["--strategy", "ddp", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        script.build_parser().parse_args(["--strategy", "zero3", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_one_rank_run_in_process_matches_the_prediction(strategy, tmp_path):
+    result = parallel.launch(1, strategies=[strategy], out=tmp_path, hidden=16, micro_batch=4, steps=2,
+                             steps_per_epoch=1, in_process=True)
+    assert not dist.is_initialized()
+    record = result.ranks[strategy][0]
+    psi, tensors = record["num_parameters"], record["num_tensors"]
+    footprint = parallel.predict_zero_bytes_per_rank(psi, 1, parallel.ZERO_STAGE[strategy], num_tensors=tensors)
+    assert record["categories"] == {"params": footprint.params_bytes, "grads": footprint.grads_bytes,
+                                    "optimizer": footprint.optimizer_bytes,
+                                    "other": 4 * psi if strategy == "ddp" else 0}
+    reference, _ = parallel.train_single_process(parallel.RunConfig(hidden=16, micro_batch=4, steps=2,
+                                                                    steps_per_epoch=1), 1)
+    weights = torch.load(tmp_path / f"{strategy}_weights.pt")
+    assert max((weights[k] - reference[k]).abs().max().item() for k in reference) < 1e-3
+    assert json.loads((tmp_path / f"{strategy}_rank0.json").read_text())["world_size"] == 1
+    # the ranks' wall clock, against the launch's start: what the notebook's start-up time is measured with
+    assert result.started_at <= record["wall_start_s"] <= record["wall_end_s"] <= result.started_at + result.seconds
+
+
+# --- the tracker: DTensors and storages resized outside the dispatcher ---------------------------------
+
+def test_tracker_sees_resize_outside_the_dispatcher_only_when_watching():
+    for watch, expected in [(False, 400), (True, 0)]:
+        with utils.measure_memory("cpu", watch_resizes=watch) as mem:
+            kept = torch.ones(100)
+            kept.untyped_storage().resize_(0)      # what FSDP2 does to free all-gathered parameters
+        assert mem.end_bytes == expected, (watch, mem.end_bytes)
+        del kept
+    with pytest.raises(TypeError, match="watch_resizes"):
+        utils.measure_memory("cpu", watch_resizes="yes")
+
+
+def test_tracker_counts_a_dtensor_by_its_local_shard():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = distribute_tensor(torch.ones(32, 8), mesh, [Shard(0)])
+        with utils.measure_memory("cpu") as mem:
+            moment = torch.zeros_like(sharded)     # as AdamW creates its state for a DTensor parameter
+        assert mem.end_bytes == moment.to_local().untyped_storage().nbytes() == 32 * 8 * 4   # once, not twice
+    finally:
+        dist.destroy_process_group()
