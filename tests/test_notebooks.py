@@ -33,13 +33,16 @@ CHECK_BUDGET_S = {"00_measuring_memory_and_time": 30, "01_parameter_footprint": 
                   # DataLoader workers are processes: three loaders start them (about 10 s alone, 12 s beside
                   # another kernel on 2 cores)
                   "06_profiling_where_the_time_goes": 15,
-                  "07_what_frees_memory": 10,
+                  # importing torch (~2.5 s) and the first tracked region, which imports torch._dynamo
+                  # (~2 s, torch's own cost), are fixed: about 11 s of CPU here
+                  "07_what_frees_memory": 15,
                   # subprocesses (a resumed run, killed writers, a SIGTERM) each import torch
                   "08_checkpoint_and_resume": 15,
                   # a few small compiles; Inductor's on-disk cache makes later runs faster
                   "09_capstone_fit_then_fast": 20,
                   # process start dominates: each rank is a fresh Python that imports torch
                   "10_distributed_ddp_zero_fsdp": 25,
+                  # three one-block compiles on aot_eager_decomp_partition, no Inductor: a cold cache costs nothing
                   "11_memory_budget_offloading_chunked_loss": 20}
 NBVAL_EXPECTED = ROOT / "tests" / "nbval_expected.json"
 
@@ -242,6 +245,21 @@ EXPECTED_FIGURES = {
         "spot_saving_fraction": lambda v, f: 0 < v < 0.9,
     },
     "09_capstone_fit_then_fast": {
+        "largest_batch_fp32": lambda v, f: v >= 1 and v == int(v),
+        "largest_batch_best": lambda v, f: v > f["largest_batch_fp32"],      # bf16 + checkpointing must gain
+        "largest_batch_gain": lambda v, f: abs(v - f["largest_batch_best"] / f["largest_batch_fp32"]) < 1e-9,
+        "oom_bytes_kept_by_the_error": lambda v, f: v > 0,
+        "oom_bytes_left_after_recovery": lambda v, f: v == 0,
+        "accumulation_micro_batch": lambda v, f: 1 <= v <= f["largest_batch_fp32"],
+        "accumulation_effective_batch": lambda v, f: v == 4 * f["accumulation_micro_batch"],
+        "sdpa_peak_ratio": lambda v, f: 0 < v < 1,                           # no T x T matrices kept
+        "checkpoint_per_sample_saving": lambda v, f: 0 < v < 1,
+        "bf16_per_sample_saving": lambda v, f: 0 < v < 1,
+        "conv_largest_batch_gain": lambda v, f: v >= 1,
+        "ladder_top_speedup": lambda v, f: v > 0,
+        "bf16_rung_speedup": lambda v, f: v > 0,
+        "checkpoint_speed": lambda v, f: v > 0,
+        "conv_ladder_best_speedup": lambda v, f: v > 0,
     },
     "10_distributed_ddp_zero_fsdp": {
         "launch_seconds_n2": lambda v, f: v > 0,
@@ -256,6 +274,16 @@ EXPECTED_FIGURES = {
         "gpus_for_70b_fsdp": lambda v, f: v == 32,
     },
     "11_memory_budget_offloading_chunked_loss": {
+        "budget0_saved_ratio": lambda v, f: 0 < v < 0.5,
+        "budget0_backward_flops_ratio": lambda v, f: 1 < v <= f["budget0_predicted_max_flops_ratio"] * (1 + 1e-9),
+        "budget0_predicted_max_flops_ratio": lambda v, f: 1 < v < 3,
+        "eager_every_block_saved_ratio": lambda v, f: 0 < v < 1,
+        "budget0_step_time_ratio": lambda v, f: v > 0,
+        "bf16_hook_saved_fraction": lambda v, f: v == 0.5,            # exact on the CPU tracker
+        "bf16_hook_grad_relative_error": lambda v, f: 0 < v < 2 ** -7,
+        "plain_loss_peak_bytes_per_token_per_vocab": lambda v, f: 12 <= v < 12.001,   # 12·N·V, a few scalars aside
+        "chunked_peak_ratio_smallest_chunk": lambda v, f: 0 < v < 0.5,
+        "chunked_step_time_ratio_smallest_chunk": lambda v, f: v > 0,
     },
 }
 

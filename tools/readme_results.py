@@ -64,6 +64,10 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
         ("full_resume_max_weight_difference", "weight difference after a full resume (0 = bit-identical)"),
         ("weight_difference_without_rng", "weight difference when the RNG state is not restored"),
     ],
+    "10_distributed_ddp_zero_fsdp": [
+        ("max_weight_difference_vs_one_process", "weight difference, N ranks vs one process with the whole batch"),
+        ("fsdp_over_ddp_communication", "bytes each rank sends per step, FSDP vs DDP (predicted 1.5×)"),
+    ],
     "11_memory_budget_offloading_chunked_loss": [
         ("chunked_peak_ratio_smallest_chunk", "peak memory of the chunked loss vs the plain one"),
         ("bf16_hook_saved_fraction", "saved-activation memory removed by bf16 saved-tensor hooks"),
