@@ -39,6 +39,25 @@ def test_budget_accepts_the_ends_and_ints():
     assert validate_memory_budget(0) == 0.0 and validate_memory_budget(1) == 1.0
 
 
+def test_budget_changes_what_a_compiled_step_saves():
+    # the budget is read when the graph compiles: budget 0 must save less than budget 1, with the same gradients
+    torch.manual_seed(0)
+    model = utils.MLP(16, 32, 4, num_hidden_layers=2)
+    inputs = torch.randn(8, 16)
+    saved, grads = {}, {}
+    for budget in (1.0, 0.0):
+        with utils.activation_memory_budget(budget):
+            compiled = torch.compile(model, backend="aot_eager_decomp_partition")
+            compiled(inputs).square().mean().backward()             # compiles with this budget
+            model.zero_grad(set_to_none=True)
+            with utils.track_saved_tensors(exclude=(model, inputs)) as tracked:
+                loss = compiled(inputs).square().mean()
+            loss.backward()
+        saved[budget], grads[budget] = tracked.bytes, utils.flat_gradients(model, zero=True)
+    assert saved[0.0] < saved[1.0]
+    assert torch.allclose(grads[0.0], grads[1.0], rtol=1e-5, atol=1e-7)
+
+
 # --- bf16 saved activations -------------------------------------------------------------------
 
 def _mlp_and_data():
@@ -162,3 +181,7 @@ def test_shape_mismatches_are_clear_errors():
         utils.chunked_cross_entropy(hidden, weight, targets, bias=bias[:-1])
     with pytest.raises(TypeError, match="int64 token ids"):
         utils.chunked_cross_entropy(hidden, weight, targets.float())
+    with pytest.raises(ValueError, match="same dtype"):
+        utils.chunked_cross_entropy(hidden.double(), weight, targets)
+    with pytest.raises(TypeError, match="must be a tensor"):
+        utils.chunked_cross_entropy(hidden.tolist(), weight, targets)
