@@ -1,15 +1,16 @@
 """Tests of utils.capacity (the largest-batch search) and of measure_memory's budget, on the CPU tracker."""
 
 import dataclasses
+import gc
 
 import pytest
 import torch
 from torch import nn
 
 import utils
-from utils.capacity import (BatchSearch, CapacityError, Checkpointed, Technique, TechniqueCapacity, checkpoint_each, find_max_batch_size,
-                            largest_batches, make_train_step, predict_max_batch_size, run_under_budget,
-                            what_to_try_first)
+from utils.capacity import (BatchSearch, CapacityError, Checkpointed, Technique, TechniqueCapacity, checkpoint_each,
+                            find_max_batch_size, largest_batches, make_train_step, predict_max_batch_size,
+                            run_under_budget, what_to_try_first)
 
 CPU = torch.device("cpu")
 ROW_BYTES = 4 * 1000          # one float32 row of 1000 features
@@ -94,6 +95,7 @@ def test_failed_steps_leak_nothing():
     assert any(not ok for _, ok in found.trials), "the search must have failed at least once"
     assert mem.end_bytes == 0, f"{mem.end_bytes} bytes left behind by the search"
     assert all(p.grad is None for p in model.parameters())
+    assert gc.get_freeze_count() == 0, "the search unfreezes the objects it froze for fast collections"
 
 
 def test_run_under_budget_reports_peak_or_none():
@@ -117,6 +119,7 @@ def test_prediction_matches_the_search_on_a_linear_model():
                                  techniques={"fp32": Technique()}, small_batch=256)
     capacity = capacities["fp32"]
     assert abs(capacity.predicted - capacity.found) <= capacity.search.resolution
+    assert gc.get_freeze_count() == 0, "nested freezes (largest_batches around the search) are all undone"
     with pytest.raises(ValueError, match="single technique"):
         what_to_try_first(capacities)
     with pytest.raises(ValueError, match="fp32"):

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import gc
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -73,6 +74,29 @@ def _release(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+_frozen_depth = 0
+
+
+@contextmanager
+def _gc_frozen() -> Iterator[None]:
+    """Freeze the objects that exist now, so each ``gc.collect()`` inside scans only what was made since.
+
+    The objects alive when a search starts (the model, torch, the library; hundreds of thousands once
+    ``torch._dynamo`` is imported) are not garbage, and a full collection scans them all: about half a
+    second each. Nested uses (``largest_batches`` around ``find_max_batch_size``) freeze again on entry,
+    and only the outermost exit unfreezes.
+    """
+    global _frozen_depth
+    gc.freeze()
+    _frozen_depth += 1
+    try:
+        yield
+    finally:
+        _frozen_depth -= 1
+        if _frozen_depth == 0:
+            gc.unfreeze()
 
 
 def run_under_budget(step: Callable[[int], Any], batch_size: int, device: torch.device | str, budget_bytes: int,
@@ -170,13 +194,10 @@ def find_max_batch_size(step: Callable[[int], Any], device: torch.device | str, 
             peaks[size] = peak
         return peak is not None
 
-    # gc.freeze(): the objects that exist now (the model, the library) are not garbage; each collection
-    # after a failure then scans only what the search created, which makes it milliseconds, not a second
-    gc.freeze()
-    try:
+    # the objects that exist now (the model, the library) are not garbage; each collection after a
+    # failure then scans only what the search created, which makes it milliseconds, not half a second
+    with _gc_frozen():
         return _search(attempt, start, limit, budget_bytes, trials, peaks)
-    finally:
-        gc.unfreeze()
 
 
 def _search(attempt: Callable[[int], bool], start: int, limit: int, budget_bytes: int,
@@ -385,24 +406,26 @@ def largest_batches(build_model: Callable[[], nn.Module], make_batch: Callable[[
     """
     device = torch.device(device)
     results: dict[str, TechniqueCapacity] = {}
-    for name, technique in (TECHNIQUES if techniques is None else techniques).items():
-        if not isinstance(technique, Technique):
-            raise TypeError(f"techniques[{name!r}] must be a utils.capacity.Technique, got {type(technique).__name__}")
-        model, optimizer = build_technique(build_model, technique, blocks=blocks)
-        step = make_train_step(model, optimizer, make_batch, loss_fn,
-                               autocast_dtype=torch.bfloat16 if technique.bf16 else None)
-        step(1)                                          # creates the optimizer state before measuring
-        state = predict_model_state(model, "adamw").total_bytes
-        peaks = []
-        for size in (small_batch, 2 * small_batch):
-            peak = run_under_budget(step, size, device, 2**62, include=[model, optimizer])
-            assert peak is not None
-            peaks.append(peak)
-        predicted, per_sample, fixed = predict_max_batch_size(state, peaks[0], peaks[1], small_batch, budget_bytes)
-        search = find_max_batch_size(step, device, budget_bytes, model=model, optimizer=optimizer, limit=limit)
-        results[name] = TechniqueCapacity(predicted, search, state, per_sample, fixed)
-        del model, optimizer, step
-        _release(device)
+    with _gc_frozen():   # each technique's release below then scans only that technique's objects
+        for name, technique in (TECHNIQUES if techniques is None else techniques).items():
+            if not isinstance(technique, Technique):
+                raise TypeError(f"techniques[{name!r}] must be a utils.capacity.Technique, "
+                                f"got {type(technique).__name__}")
+            model, optimizer = build_technique(build_model, technique, blocks=blocks)
+            step = make_train_step(model, optimizer, make_batch, loss_fn,
+                                   autocast_dtype=torch.bfloat16 if technique.bf16 else None)
+            step(1)                                          # creates the optimizer state before measuring
+            state = predict_model_state(model, "adamw").total_bytes
+            peaks = []
+            for size in (small_batch, 2 * small_batch):
+                peak = run_under_budget(step, size, device, 2**62, include=[model, optimizer])
+                assert peak is not None
+                peaks.append(peak)
+            predicted, per_sample, fixed = predict_max_batch_size(state, peaks[0], peaks[1], small_batch, budget_bytes)
+            search = find_max_batch_size(step, device, budget_bytes, model=model, optimizer=optimizer, limit=limit)
+            results[name] = TechniqueCapacity(predicted, search, state, per_sample, fixed)
+            del model, optimizer, step
+            _release(device)
     return results
 
 
