@@ -223,8 +223,17 @@ def write_command(report: Callable[[str], None], *, path: str, mode: str, megaby
     step = 0
     while True:   # back-to-back saves, so a kill almost surely lands inside one
         step += 1
+        state = capture_training_state(model, optimizer, step=step)
         started = time.perf_counter()
-        save_checkpoint(capture_training_state(model, optimizer, step=step), path, atomic=mode == "atomic")
+        if mode == "atomic":
+            report(f"writing {step}")
+            save_checkpoint(state, path)
+        else:
+            # what torch.save(state, path) does: open (which empties the file), then write; reporting
+            # between the two tells the parent that from now until the close the file is incomplete
+            with open(path, "wb") as file:
+                report(f"writing {step}")
+                torch.save(state, file)
         report(f"saved {step} {time.perf_counter() - started:.6f}")
 
 
