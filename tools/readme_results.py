@@ -46,7 +46,7 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
     "04_mixed_precision": [
         ("bf16_over_fp32_forward_memory", "activation memory, bf16 autocast vs fp32"),
         ("step_speedup_bf16", "training-step speed-up of bf16 autocast"),
-        ("fp16_gradient_subnormal_fraction", "gradients that underflow in fp16 without scaling"),
+        ("fp16_gradient_subnormal_fraction", "fp32 gradient elements below fp16's normal range (subnormal or zero in fp16)"),
     ],
     "05_torch_compile": [
         ("compile_seconds", "time to compile the training step"),
@@ -63,6 +63,10 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
     "08_checkpoint_and_resume": [
         ("full_resume_max_weight_difference", "weight difference after a full resume (0 = bit-identical)"),
         ("weight_difference_without_rng", "weight difference when the RNG state is not restored"),
+    ],
+    "09_capstone_fit_then_fast": [
+        ("largest_batch_fp32", "largest batch that fits the memory budget, fp32"),
+        ("largest_batch_best", "largest batch that fits the same budget, best technique"),
     ],
     "10_distributed_ddp_zero_fsdp": [
         ("max_weight_difference_vs_one_process", "weight difference, N ranks vs one process with the whole batch"),
