@@ -78,8 +78,9 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
     ],
 }
 # Key plots, by file-name prefix in results/<slug>/figures/; the first match of each is shown.
-KEY_PLOTS = ["00_step_timeline", "01_footprint_by_batch", "03_", "04_"]
-MAX_PLOTS = 4
+KEY_PLOTS = ["00_step_timeline", "01_footprint_by_batch", "03_memory_vs_time", "04_autocast_memory",
+             "09_largest_batch", "11_budget_memory_vs_recompute"]
+MAX_PLOTS = 6
 
 
 class ReadmeError(ValueError):
@@ -144,10 +145,12 @@ def _value(figure: dict | None) -> str:
         return f"{value:.1%}"
     if unit == "x":
         return f"{value:.3g}×"
-    if float(value).is_integer() and abs(value) < 1e6:
+    if float(value).is_integer() and abs(value) < 1e15:   # counts and bytes: every digit, with separators
         text = f"{int(value):,}"
     else:
         text = f"{value:,.4g}"
+    if value == 1 and unit.endswith("s") and unit not in ("bytes", "s", "ms"):
+        unit = unit[:-1]                                     # "1 worker", not "1 workers"
     return f"{text} {unit}"
 
 
