@@ -24,28 +24,30 @@ from tools.nbtools import (NBVAL_MARKER, NOTEBOOKS, ROOT, first_exercise_index, 
 
 NOTEBOOK_PATHS = list_notebooks()
 IDS = [path.stem for path in NOTEBOOK_PATHS]
-# seconds one check-mode run may take on a 2-core CI machine (measured: about half of each)
-CHECK_BUDGET_S = {"00_measuring_memory_and_time": 30, "01_parameter_footprint": 30,
-                  "02_gradient_accumulation": 30, "03_activation_checkpointing": 30,
-                  "04_mixed_precision": 30,
-                  # a cold Inductor cache compiles C++ for each graph: ~20 s here, ~5 s once cached
+# Seconds one check-mode run may take on a 2-core CI machine, where `make check` runs two kernels side by side:
+# about twice what each took in a parallel `make check` (the times in the comments), so that a slow moment on
+# a shared machine does not fail CI, while a notebook that doubles its cost still does. The suite as a whole
+# must stay under 180 s; each notebook's time alone is in the README's measured section.
+CHECK_BUDGET_S = {"00_measuring_memory_and_time": 30, "01_parameter_footprint": 30,       # ~10 s, ~9 s
+                  "02_gradient_accumulation": 30, "03_activation_checkpointing": 30,      # ~9 s, ~9 s
+                  "04_mixed_precision": 30,                                               # ~10 s
+                  # a cold Inductor cache compiles C++ for each graph: ~30 s in the suite, far more when cold
                   "05_torch_compile": 90,
-                  # DataLoader workers are processes: three loaders start them (about 10 s alone, 12 s beside
-                  # another kernel on 2 cores)
-                  "06_profiling_where_the_time_goes": 15,
-                  # importing torch (~2.5 s) and the first tracked region, which imports torch._dynamo
-                  # (~2 s, torch's own cost), are fixed: about 11 s of CPU here
-                  "07_what_frees_memory": 15,
-                  # subprocesses (a resumed run, killed writers, a SIGTERM) each import torch: 12-13 s alone,
-                  # up to 17 s beside another kernel on 2 cores
-                  "08_checkpoint_and_resume": 20,
+                  # DataLoader workers are processes: several loaders start them (~15 s)
+                  "06_profiling_where_the_time_goes": 30,
+                  # importing torch and the first tracked region, which imports torch._dynamo (~2 s, torch's
+                  # own cost), are fixed (~10 s)
+                  "07_what_frees_memory": 25,
+                  # subprocesses (a resumed run, killed writers, a SIGTERM) each import torch (~13 s)
+                  "08_checkpoint_and_resume": 30,
                   # six searches under a budget and a ladder of small compiles (aot_eager in check mode on a
-                  # CPU, so a cold Inductor cache does not matter): 16 s alone, 19 s beside another kernel
-                  "09_capstone_fit_then_fast": 25,
-                  # process start dominates: each rank is a fresh Python that imports torch
-                  "10_distributed_ddp_zero_fsdp": 25,
-                  # three one-block compiles on aot_eager_decomp_partition, no Inductor: a cold cache costs nothing
-                  "11_memory_budget_offloading_chunked_loss": 20}
+                  # CPU, so a cold Inductor cache does not matter) (~20 s)
+                  "09_capstone_fit_then_fast": 40,
+                  # process start dominates: each rank is a fresh Python that imports torch (~19 s)
+                  "10_distributed_ddp_zero_fsdp": 40,
+                  # three one-block compiles on aot_eager_decomp_partition, no Inductor: a cold cache costs
+                  # nothing (~15 s)
+                  "11_memory_budget_offloading_chunked_loss": 30}
 NBVAL_EXPECTED = ROOT / "tests" / "nbval_expected.json"
 
 
