@@ -419,7 +419,9 @@ def largest_batches(build_model: Callable[[], nn.Module], make_batch: Callable[[
             peaks = []
             for size in (small_batch, 2 * small_batch):
                 peak = run_under_budget(step, size, device, 2**62, include=[model, optimizer])
-                assert peak is not None
+                if peak is None:   # no budget was set: the device itself ran out of memory
+                    raise CapacityError(f"technique {name!r}: a training step at batch {size} (the prediction's "
+                                        f"probe) ran out of the device's own memory; pass a smaller small_batch")
                 peaks.append(peak)
             predicted, per_sample, fixed = predict_max_batch_size(state, peaks[0], peaks[1], small_batch, budget_bytes)
             search = find_max_batch_size(step, device, budget_bytes, model=model, optimizer=optimizer, limit=limit)
