@@ -33,8 +33,9 @@ from typing import Any, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .memory import measure_memory
+from .memory import measure_memory, tensor_bytes
 from .models import MLP
+from .state import _fsync_directory
 from .parallel import (CHECKPOINT_STRATEGY, KILLED_EXIT_CODE, STRATEGIES, TORCHRUN_VARIABLES, RunConfig,
                        check_world_size, latest_complete_checkpoint, make_dataset, make_model, step_indices)
 
@@ -123,13 +124,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def local_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
     """Bytes of the distinct storages behind the local parts of some tensors (DTensors by shard)."""
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        if tensor is None:
-            continue
-        storage = _local(tensor).untyped_storage()
-        seen[storage._cdata] = storage.nbytes()
-    return sum(seen.values())
+    return tensor_bytes([_local(tensor) for tensor in tensors if tensor is not None])
 
 
 def _zero_byte_storages(region: measure_memory) -> int:
@@ -205,11 +200,7 @@ def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, di
     dist.barrier()
     if rank == 0:
         os.replace(partial, final)                 # atomic: readers see no folder or a complete one
-        folder = os.open(directory, os.O_RDONLY)   # make the rename itself durable (POSIX)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
+        _fsync_directory(Path(directory))          # make the rename itself durable (POSIX)
     dist.barrier()
     return final
 
