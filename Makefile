@@ -1,7 +1,11 @@
 # Two commands on a fresh machine: `make check` (install + every test) and `make run` (full lessons).
 # Each recipe line runs in its own shell, so programs are called from the venv directly.
 PYTHON ?= python3
-VENV := .venv
+# `make check TORCH=2.11.0` tests another torch release in a venv of its own (.venv-torch2.11.0), kept between
+# runs; the pinned release (requirements.txt) lives in .venv.
+TORCH ?= $(shell sed -n 's/^torch==//p' requirements.txt)
+PINNED_TORCH := $(shell sed -n 's/^torch==//p' requirements.txt)
+VENV := $(if $(filter $(PINNED_TORCH),$(TORCH)),.venv,.venv-torch$(TORCH))
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 # Test processes run side by side (pytest-xdist), each notebook kernel with one torch thread: on a 2-core
@@ -16,7 +20,8 @@ help:  ## list the targets
 # The venv is a file target: it is (re)built when requirements.txt or pyproject.toml change.
 $(INSTALLED): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -r requirements.txt
+	sed 's/^torch==.*/torch==$(TORCH)/' requirements.txt > $(VENV)/requirements.txt
+	$(PY) -m pip install --quiet -r $(VENV)/requirements.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $@
 

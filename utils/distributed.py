@@ -142,6 +142,25 @@ def _live_bytes(region: measure_memory) -> int:
     return torch.cuda.memory_allocated(region.device) - region.measurement.baseline_bytes
 
 
+def barrier_retained_bytes(device: torch.device) -> int:
+    """Bytes that a ``dist.barrier()`` leaves alive after it returns, measured (a collective: every rank calls it).
+
+    A barrier is an all-reduce of a one-element ``uint8`` tensor that the process group allocates. torch 2.11's
+    ``ProcessGroup`` keeps the last barrier's tensor alive until the next barrier replaces it (1 byte on the CPU
+    tracker; one 512-byte block on CUDA); torch 2.13 frees it on return (0). A region that calls a barrier
+    (a checkpoint save does) ends with these bytes in it, though they are neither model state nor activations.
+
+    Returns:
+        What two barriers in a row left above the bytes alive before them.
+    """
+    import torch.distributed as dist
+
+    with measure_memory(device) as probe:
+        dist.barrier()
+        dist.barrier()       # the second one frees the first's tensor where a backend keeps only the last
+    return probe.end_bytes
+
+
 # --- the training script ------------------------------------------------------------------------------
 
 def require_torchrun_environment() -> dict[str, str]:
@@ -331,6 +350,9 @@ def run_one(config: RunConfig, strategy: str, out: Path, *, device: torch.device
                 memory.phase("checkpoint")
                 last_save = step + 1 == max(save_at)
                 save_checkpoint(model, optimizer, checkpoint_dir, step + 1, kill_rank=kill_rank if last_save else None)
+    # a checkpoint saved inside the region ran barriers: what the last of them left behind is "other"
+    saved_in_region = checkpoint_dir is not None and any(start_step < s < config.steps for s in save_at)
+    barrier_bytes = barrier_retained_bytes(device) if saved_in_region else 0
     params = list(model.parameters())
     local_optimizer = _local_optimizer(optimizer)
     state_tensors = [v for s in local_optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
@@ -346,6 +368,7 @@ def run_one(config: RunConfig, strategy: str, out: Path, *, device: torch.device
         "num_parameters": sum(p.numel() for p in params), "num_tensors": len(params),
         "owned_numel": sum(_local(p).numel() for p in owned), "owned_tensors": len(owned),
         "end_of_step_bytes": end_of_step, "categories": categories, "zero_byte_storages": zero_byte_storages,
+        "barrier_retained_bytes": barrier_bytes,
         # what a tracker that counted DTensors at their logical size would have seen instead of the shards
         "sharded_state_logical_bytes": sum(v.numel() * v.element_size() for v in sharded_state),
         "sharded_state_local_bytes": local_bytes(sharded_state),
