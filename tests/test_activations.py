@@ -160,7 +160,7 @@ def test_chunked_loss_peak_is_below_the_plain_loss():
     assert peaks["chunked"] < peaks["plain"] / 2
 
 
-@pytest.mark.parametrize("bad, error", [(0, ValueError), (-3, ValueError), (2.0, TypeError), (True, TypeError)])
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-3, ValueError), (2.0, ValueError), (True, ValueError)])
 def test_chunk_size_must_be_a_positive_int(bad, error):
     hidden, weight, _, targets = _head()
     with pytest.raises(error, match="chunk_size must be a positive int"):

@@ -61,3 +61,51 @@ def test_import_has_no_side_effects():
     code = ("import torch; torch.manual_seed(123); a = torch.rand(1); torch.manual_seed(123); "
             "import utils; b = torch.rand(1); assert torch.equal(a, b)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- GPU sizes and formats, on a faked torch.cuda (the bookkeeping, not a real card's numbers) ----------------
+
+class _FakeProperties:
+    def __init__(self, total_memory: int) -> None:
+        self.total_memory = total_memory
+
+
+@pytest.fixture
+def fake_card(monkeypatch):
+    """Make ``torch.cuda`` describe a card of the given size and capability (no CUDA call is made)."""
+    def install(total_gb: float, capability: tuple[int, int]) -> torch.device:
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: _FakeProperties(int(total_gb * 2**30)))
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        return torch.device("cuda", 0)
+    return install
+
+
+@pytest.mark.parametrize("total_gib, capability, memory_class, native_bf16", [
+    (7.6, (8, 6), 8, True),      # an 8 GB RTX 3070 laptop: torch reports GiB a little under 8 GB
+    (14.7, (7, 5), 16, False),   # a Colab T4: 15.8 GB, no native bf16
+    (23.6, (8, 9), 24, True),    # an RTX 4090
+    (39.4, (8, 0), 40, True),    # an A100 40 GB
+    (79.2, (9, 0), 80, True),    # an H100 80 GB
+    (139.8, (9, 0), 80, True),   # an H200: the largest class
+])
+def test_memory_class_and_format_of_common_cards(fake_card, total_gib, capability, memory_class, native_bf16):
+    device = fake_card(total_gib, capability)
+    assert utils.memory_class_gb(device) == memory_class
+    assert utils.supports_bf16(device) is native_bf16
+    assert utils.autocast_dtype(device) == (torch.bfloat16 if native_bf16 else torch.float16)
+    sizes = {8: "small", 24: "medium", 80: "large"}
+    expected = sizes[max(k for k in sizes if k <= memory_class)]
+    assert utils.by_memory(device, cpu="cpu", gpu=sizes) == expected
+
+
+def test_by_memory_on_the_cpu_and_bad_tables(fake_card):
+    assert utils.by_memory("cpu", cpu=1, gpu={8: 2}) == 1
+    assert utils.memory_class_gb("cpu") is None and utils.device_memory_bytes("cpu") is None
+    assert utils.autocast_dtype("cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match="hold 8"):
+        utils.by_memory("cpu", cpu=1, gpu={16: 2})
+    with pytest.raises(ValueError, match="memory classes"):
+        utils.by_memory("cpu", cpu=1, gpu={8: 1, 12: 2})
+    device = fake_card(3.8, (7, 5))
+    with pytest.raises(ValueError, match="at least 8 GB"):
+        utils.memory_class_gb(device)

@@ -19,8 +19,8 @@ from nbclient.exceptions import CellExecutionError
 from papermill.exceptions import PapermillExecutionError
 
 import utils
-from tools.nbtools import (NBVAL_MARKER, NOTEBOOKS, ROOT, first_exercise_index, list_notebooks, run_check_mode,
-                           student_version)
+from tools.nbtools import (NBVAL_MARKER, NOTEBOOKS, ROOT, first_exercise_index, list_notebooks, load_wrong_answers,
+                           run_check_mode, student_version)
 
 NOTEBOOK_PATHS = list_notebooks()
 IDS = [path.stem for path in NOTEBOOK_PATHS]
@@ -39,15 +39,15 @@ CHECK_BUDGET_S = {"00_measuring_memory_and_time": 30, "01_parameter_footprint": 
                   # own cost), are fixed (~10 s)
                   "07_what_frees_memory": 25,
                   # subprocesses (a resumed run, killed writers, a SIGTERM) each import torch (~13 s)
-                  "08_checkpoint_and_resume": 30,
+                  "12_checkpoint_and_resume": 30,
                   # six searches under a budget and a ladder of small compiles (aot_eager in check mode on a
                   # CPU, so a cold Inductor cache does not matter) (~20 s)
-                  "09_capstone_fit_then_fast": 40,
+                  "13_capstone_fit_then_fast": 40,
                   # process start dominates: each rank is a fresh Python that imports torch (~19 s)
-                  "10_distributed_ddp_zero_fsdp": 40,
+                  "11_distributed_ddp_zero_fsdp": 40,
                   # three one-block compiles on aot_eager_decomp_partition, no Inductor: a cold cache costs
                   # nothing (~15 s)
-                  "11_memory_budget_offloading_chunked_loss": 30}
+                  "08_memory_budget_offloading_chunked_loss": 30}
 NBVAL_EXPECTED = ROOT / "tests" / "nbval_expected.json"
 
 
@@ -62,7 +62,9 @@ def _source(cell) -> str:
 # --- structure: fast, runs nothing -------------------------------------------------------------
 
 def test_there_are_notebooks():
-    assert [p.stem[:2] for p in NOTEBOOK_PATHS] == [f"{i:02d}" for i in range(len(NOTEBOOK_PATHS))]
+    numbers = [p.stem[:2] for p in NOTEBOOK_PATHS]
+    assert all(n.isdigit() for n in numbers) and len(set(numbers)) == len(numbers), numbers  # gaps are allowed
+    assert numbers[0] == "00"
     assert set(CHECK_BUDGET_S) == set(IDS), "every notebook needs a check-mode time budget here"
     assert set(EXPECTED_FIGURES) == set(IDS), "every notebook needs its recorded figures checked here"
 
@@ -83,6 +85,60 @@ def test_structure(path):
                     "## Further reading"):
         assert heading in markdown, heading
     assert "sys.path" not in "\n".join(_source(c) for c in code), "import utils without sys.path edits"
+
+
+# "notebook 03", "notebooks 00 (measuring), 03 (checkpointing) and 05", "Notebook 12's": a number after
+# "notebook(s)", then more numbers joined by commas, "and", "or", dashes, each maybe with its own "(topic)"
+_REFERENCE = re.compile(r"\b[Nn]otebooks? ((?:\d\d(?![\d%]| %)(?:'s)?(?: \([^)]*\))?(?:, | and | or |–|-| to )?)+)")
+_NUMBER_WITH_TOPIC = re.compile(r"(\d\d)(?:'s)?(?: \(([^)]*)\))?")
+_STOP_WORDS = {"with", "from", "that", "this", "these", "what", "which", "when", "where", "utils", "the", "and",
+               "for", "its", "their", "section", "sections", "notebook", "exercise", "used", "uses", "here"}
+
+
+def _words(text: str) -> set[str]:
+    """Lower-case word stems (first 5 letters) of the words of 4 letters or more, stop words left out."""
+    return {w[:5] for w in re.findall(r"[a-z0-9]+", text.lower().replace("_", " ")) if len(w) >= 4
+            and w not in _STOP_WORDS}
+
+
+def _topic_text(path: Path) -> str:
+    """What a notebook is about: its title cell (title, pitch, what you will learn) and its section headings."""
+    cells = _cells(path)
+    headings = [line for c in cells if c.cell_type == "markdown" for line in _source(c).splitlines()
+                if line.startswith("## ")]
+    return _source(cells[0]) + "\n" + "\n".join(headings)
+
+
+def notebook_references(text: str) -> list[tuple[str, str | None]]:
+    """Every (number, topic in brackets or None) that ``text`` refers to as "notebook NN"."""
+    found = []
+    for match in _REFERENCE.finditer(text):
+        found += [(m.group(1), m.group(2)) for m in _NUMBER_WITH_TOPIC.finditer(match.group(1))]
+    return found
+
+
+def test_notebook_references_point_to_the_notebook_they_mean():
+    """After a renumbering nothing may point to an old number: every "notebook NN" in the notebooks and the README
+    names a notebook that exists, and a topic given in brackets ("notebook 03 (checkpointing)") shares a word with
+    that notebook's title, pitch, goals or section headings."""
+    by_number = {p.stem[:2]: p for p in NOTEBOOK_PATHS}
+    topics = {number: _words(_topic_text(path)) for number, path in by_number.items()}
+    sources = {path.name: "\n".join(_source(c) for c in _cells(path)) for path in NOTEBOOK_PATHS}
+    sources["README.md"] = (ROOT / "README.md").read_text()
+    problems = []
+    for name, text in sources.items():
+        for number, topic in notebook_references(text):
+            if number not in by_number:
+                problems.append(f"{name}: notebook {number} does not exist")
+            elif topic and not _words(topic) & topics[number]:
+                problems.append(f"{name}: notebook {number} ({topic}) is {by_number[number].stem}")
+    assert not problems, "\n".join(problems)
+
+
+def test_reference_finder_reads_lists_and_topics():
+    found = notebook_references("see notebooks 00 (measuring), 03 (checkpointing) and 05; Notebook 12's save")
+    assert found == [("00", "measuring"), ("03", "checkpointing"), ("05", None), ("12", None)]
+    assert notebook_references("as in notebook 01, 30 % of each GPU") == [("01", None)]
 
 
 # phrases that put one machine's measurement into prose, where it is false on the next machine
@@ -227,7 +283,7 @@ EXPECTED_FIGURES = {
         "optimizer_in_backward_peak_ratio": lambda v, f: 0 < v < 1,
         "gradients_alive_at_update_max": lambda v, f: v == 1,
     },
-    "08_checkpoint_and_resume": {
+    "12_checkpoint_and_resume": {
         # the tensors are stored byte for byte; zip headers and the pickle add a few kilobytes
         "checkpoint_file_over_predicted": lambda v, f: v > 1,
         "checkpoint_overhead_bytes": lambda v, f: 0 < v < 64 * 1024,
@@ -248,7 +304,7 @@ EXPECTED_FIGURES = {
         "simulated_overhead_at_young": lambda v, f: 0 < v < 1,
         "spot_saving_fraction": lambda v, f: 0 < v < 0.9,
     },
-    "09_capstone_fit_then_fast": {
+    "13_capstone_fit_then_fast": {
         "largest_batch_fp32": lambda v, f: v >= 1 and v == int(v),
         "largest_batch_best": lambda v, f: v > f["largest_batch_fp32"],      # bf16 + checkpointing must gain
         "largest_batch_gain": lambda v, f: abs(v - f["largest_batch_best"] / f["largest_batch_fp32"]) < 1e-9,
@@ -265,7 +321,7 @@ EXPECTED_FIGURES = {
         "checkpoint_speed": lambda v, f: v > 0,
         "conv_ladder_best_speedup": lambda v, f: v > 0,
     },
-    "10_distributed_ddp_zero_fsdp": {
+    "11_distributed_ddp_zero_fsdp": {
         "launch_seconds_n2": lambda v, f: v > 0,
         "max_weight_difference_vs_one_process": lambda v, f: v < 5e-4,
         "no_sync_weight_difference": lambda v, f: v < 5e-4,
@@ -277,7 +333,7 @@ EXPECTED_FIGURES = {
         "dcp_reshard_weight_difference": lambda v, f: v < 5e-4,
         "gpus_for_70b_fsdp": lambda v, f: v == 32,
     },
-    "11_memory_budget_offloading_chunked_loss": {
+    "08_memory_budget_offloading_chunked_loss": {
         "budget0_saved_ratio": lambda v, f: 0 < v < 0.5,
         "budget0_backward_flops_ratio": lambda v, f: 1 < v <= f["budget0_predicted_max_flops_ratio"] * (1 + 1e-9),
         "budget0_predicted_max_flops_ratio": lambda v, f: 1 < v < 3,
@@ -299,11 +355,12 @@ def test_notebook_runs_in_check_mode(path, tmp_path):
     budget, the recorded figures, the saved plots, the student version's first exercise, and the outputs
     of the cells marked ``# NBVAL_CHECK_OUTPUT`` (compared as nbval-lax does: stdout, exactly)."""
     executed_path = tmp_path / "executed" / path.name
+    wrong_answers = load_wrong_answers(path.stem)
     try:
-        run = run_check_mode(path, executed_path, build=tmp_path, timeout_s=300)
+        run = run_check_mode(path, executed_path, build=tmp_path, timeout_s=300, wrong_answers=wrong_answers)
     except CellExecutionError as error:
         pytest.fail(f"{path.stem} failed in check mode (executed copy: {executed_path}):\n{error}", pytrace=False)
-    print(f"{path.stem}: {run.seconds:.1f} s in check mode")
+    print(f"{path.stem}: {run.seconds:.1f} s in check mode, {run.wrong_answer_seconds:.1f} s of it on wrong answers")
     assert run.seconds < CHECK_BUDGET_S[path.stem], f"{path.stem} took {run.seconds:.1f} s"
 
     recorded = utils.load_results(path.stem, tmp_path / "results")
@@ -318,6 +375,14 @@ def test_notebook_runs_in_check_mode(path, tmp_path):
     # (when the answer is a function) the test cell that calls it
     assert run.student_error == "NotImplementedError", \
         f"the student's first exercise must raise NotImplementedError, got {run.student_error}"
+
+    # every wrong solution the tests hold was tried, and its exercise's graded cell failed on it
+    assert {g: set(w) for g, w in run.wrong_answers.items()} == {g: set(w) for g, w in wrong_answers.items()}, \
+        "every exercise with wrong answers must have been reached"
+    accepted = [f"{grade_id}: {name!r} ({outcome.problem or 'the graded cell passed'})"
+                for grade_id, outcomes in run.wrong_answers.items() for name, outcome in outcomes.items()
+                if not outcome.rejected]
+    assert not accepted, f"{path.stem}'s graded cells accept wrong answers:\n" + "\n".join(accepted)
 
     expected = json.loads(NBVAL_EXPECTED.read_text()).get(path.stem, {})
     assert set(run.marked_outputs) == set(expected)
@@ -370,6 +435,51 @@ def test_make_run_refuses_unknown_check_mode_value():
 
 
 # --- exercises -------------------------------------------------------------------------------
+
+WRONG_ANSWERS_PER_EXERCISE = 3
+
+
+@pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=IDS)
+def test_every_exercise_holds_wrong_answers(path):
+    """An instructor who grades with these cells must not pass wrong work: each exercise has at least three
+    plausible wrong solutions in tests/wrong_answers/<stem>.py, which the check-mode run proves its graded cell
+    rejects (test_notebook_runs_in_check_mode)."""
+    cells = _cells(path)
+    exercises = [c.metadata["nbgrader"]["grade_id"] for i, c in enumerate(cells[:-1])
+                 if c.metadata.get("nbgrader", {}).get("solution") and cells[i + 1].metadata.get("nbgrader", {}).get("grade")]
+    wrong = load_wrong_answers(path.stem)
+    assert set(wrong) <= set(exercises), f"wrong answers for exercises that do not exist: {set(wrong) - set(exercises)}"
+    short = {e: len(wrong.get(e, {})) for e in exercises if len(wrong.get(e, {})) < WRONG_ANSWERS_PER_EXERCISE}
+    assert not short, f"exercises with fewer than {WRONG_ANSWERS_PER_EXERCISE} wrong answers in " \
+                      f"tests/wrong_answers/{path.stem}.py: {short}"
+
+
+def test_wrong_answers_are_judged_on_the_graded_cell(tmp_path):
+    """The mechanism itself, on a two-exercise notebook: a wrong answer is rejected only when the graded cell
+    fails on an idea (not on a NameError), the real solution runs again after each, and the lesson goes on."""
+    nb = nbformat.v4.new_notebook()
+    solution = {"grade": False, "solution": True, "locked": False, "schema_version": 3}
+    graded = {"grade": True, "solution": False, "locked": True, "points": 1, "schema_version": 3}
+    nb.cells = [
+        nbformat.v4.new_code_cell("import utils\nCHECK_MODE = utils.check_mode()", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell("def double(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION",
+                                  metadata={"nbgrader": {**solution, "grade_id": "exercise_1"}}),
+        nbformat.v4.new_code_cell("assert double(3) == 6", metadata={"nbgrader": {**graded, "grade_id": "exercise_1_tests"}}),
+        nbformat.v4.new_code_cell("assert double(5) == 10   # the real solution is back"),
+    ]
+    path = tmp_path / "99_probe.ipynb"
+    nbformat.write(nb, path)
+    wrong = {"exercise_1": {"adds": "def double(x):\n    return x + 2",       # 3 + 2 = 5: rejected
+                            "typo": "def double(x):\n    return 2 * y",        # a NameError proves nothing
+                            "right by luck": "def double(x):\n    return 6",   # accepted: the check is too weak
+                            "raises itself": "raise RuntimeError('no')"}}
+    run = run_check_mode(path, tmp_path / "out.ipynb", build=tmp_path, wrong_answers=wrong)
+    outcomes = run.wrong_answers["exercise_1"]
+    assert outcomes["adds"].rejected and outcomes["adds"].error == "AssertionError"
+    assert not outcomes["typo"].rejected and "broken code" in outcomes["typo"].problem
+    assert not outcomes["right by luck"].rejected and outcomes["right by luck"].error is None
+    assert not outcomes["raises itself"].rejected and "own cell raised RuntimeError" in outcomes["raises itself"].problem
+
 
 def test_nbgrader_generate_assignment_accepts_the_notebooks(tmp_path):
     source = tmp_path / "source" / "course"

@@ -163,7 +163,7 @@ def test_simulation_agrees_with_the_formula_and_is_seeded():
 
 
 def test_demo_child_rejects_unknown_commands():
-    # the child processes themselves run in notebook 08 (a forkserver start is too slow for a unit test)
+    # the child processes themselves run in notebook 12 (a forkserver start is too slow for a unit test)
     from utils.resume_demo import Child
 
     with pytest.raises(ValueError, match="command must be one of"):

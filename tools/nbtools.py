@@ -15,6 +15,10 @@ import nbformat
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 NBVAL_MARKER = "# NBVAL_CHECK_OUTPUT"
+WRONG_ANSWERS = ROOT / "tests" / "wrong_answers"
+# errors that say a wrong answer is broken code rather than a wrong idea: a graded cell failing with one of these
+# proves nothing about the check
+TRIVIAL_ERRORS = ("NameError", "SyntaxError", "IndentationError", "ImportError", "ModuleNotFoundError")
 
 
 def list_notebooks() -> list[Path]:
@@ -101,6 +105,44 @@ def stream_text(cell: nbformat.NotebookNode) -> str:
     return "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream" and o.get("name") == "stdout")
 
 
+def load_wrong_answers(stem: str, folder: Path = WRONG_ANSWERS) -> dict[str, dict[str, str]]:
+    """The wrong solutions held for a notebook's exercises: ``{grade_id: {what is wrong: source}}``.
+
+    They live in ``tests/wrong_answers/<stem>.py`` as a dict named ``WRONG``; each source replaces the
+    exercise's solution cell (the cell whose nbgrader ``grade_id`` is the key), and the graded cell after it
+    must then fail. A notebook without such a file has none (the tests require them).
+
+    Raises:
+        ValueError: the file defines no ``WRONG`` dict of dicts of strings.
+    """
+    import runpy
+
+    path = folder / f"{stem}.py"
+    if not path.exists():
+        return {}
+    wrong = runpy.run_path(str(path)).get("WRONG")
+    if not isinstance(wrong, dict) or not all(isinstance(v, dict) and all(isinstance(s, str) for s in v.values())
+                                               for v in wrong.values()):
+        raise ValueError(f"{path} must define WRONG = {{grade_id: {{'what is wrong': 'source', ...}}, ...}}")
+    return wrong
+
+
+@dataclass
+class WrongAnswerOutcome:
+    """What one wrong solution did: ``rejected`` when the graded cell failed on it (with ``error``), else why not.
+
+    Attributes:
+        rejected: the graded cell raised, with an error that is not a ``TRIVIAL_ERRORS`` one.
+        error: the exception name the graded cell raised, or None when it passed (the wrong answer was accepted).
+        problem: set when the wrong answer could not be judged: its own cell raised, or the graded cell raised
+            a trivial error; or, after it, the real solution no longer passed.
+    """
+
+    rejected: bool
+    error: str | None = None
+    problem: str | None = None
+
+
 @dataclass
 class CheckRun:
     """What ``run_check_mode`` saw: the executed source notebook and the student probe's outcome.
@@ -112,6 +154,8 @@ class CheckRun:
             when the student version behaves), or None when it raised nothing.
         student_failed_cell: ``grade_id`` of the student cell that raised.
         marked_outputs: stdout of each ``# NBVAL_CHECK_OUTPUT`` cell, by cell id.
+        wrong_answers: ``{grade_id: {what is wrong: outcome}}`` for the wrong solutions that were tried.
+        wrong_answer_seconds: time spent on them (included in ``seconds``).
     """
 
     notebook: nbformat.NotebookNode
@@ -119,10 +163,12 @@ class CheckRun:
     student_error: str | None = None
     student_failed_cell: str | None = None
     marked_outputs: dict[str, str] = field(default_factory=dict)
+    wrong_answers: dict[str, dict[str, WrongAnswerOutcome]] = field(default_factory=dict)
+    wrong_answer_seconds: float = 0.0
 
 
 def run_check_mode(notebook_path: Path, output: Path, *, build: Path, timeout_s: int = 300,
-                   torch_threads: int = 1) -> CheckRun:
+                   torch_threads: int = 1, wrong_answers: dict[str, dict[str, str]] | None = None) -> CheckRun:
     """Execute a notebook once in check mode, probing its student version on the way.
 
     The student version (nbgrader's, solutions replaced by ``raise NotImplementedError()``) is identical
@@ -157,10 +203,68 @@ def run_check_mode(notebook_path: Path, output: Path, *, build: Path, timeout_s:
                     finally:
                         output.parent.mkdir(parents=True, exist_ok=True)
                         nbformat.write(source, output)
+                graded_id = _graded_exercise(source, index)
+                if graded_id is not None and wrong_answers and graded_id in wrong_answers:
+                    tried = time.perf_counter()
+                    run.wrong_answers[graded_id] = {
+                        name: _try_wrong_answer(client, source, index - 1, wrong)
+                        for name, wrong in wrong_answers[graded_id].items()}
+                    run.wrong_answer_seconds += time.perf_counter() - tried
     run.seconds = time.perf_counter() - started
     run.marked_outputs = {c.id: stream_text(c) for c in source.cells
                           if c.cell_type == "code" and NBVAL_MARKER in c.source}
     return run
+
+
+def _graded_exercise(notebook: nbformat.NotebookNode, index: int) -> str | None:
+    """The solution cell's grade_id when cell ``index`` is the graded cell right after a solution cell."""
+    if index == 0:
+        return None
+    solution = notebook.cells[index - 1].metadata.get("nbgrader", {})
+    graded = notebook.cells[index].metadata.get("nbgrader", {})
+    if solution.get("solution") and graded.get("grade") and not graded.get("solution"):
+        return solution.get("grade_id")
+    return None
+
+
+def _try_wrong_answer(client, notebook: nbformat.NotebookNode, solution_index: int,
+                      wrong_source: str) -> WrongAnswerOutcome:
+    """Run ``wrong_source`` in place of the solution, then the graded cell; then restore the real solution."""
+    solution, graded = notebook.cells[solution_index], notebook.cells[solution_index + 1]
+
+    def run(cell, source: str | None = None) -> str | None:
+        probe = copy.deepcopy(cell)
+        if source is not None:
+            probe.source = source
+        # run it as a cell that may raise: the error comes back as an output, and the kernel does not abort the
+        # requests that follow (with stop_on_error it would drop the restoring cells sent right after a failure)
+        probe.metadata["tags"] = [*probe.metadata.get("tags", []), "raises-exception"]
+        try:
+            client.execute_cell(probe, solution_index, store_history=False)
+        finally:
+            notebook.cells[solution_index] = solution   # nbclient stores the executed copy there
+        errors = [o for o in probe.get("outputs", []) if o.get("output_type") == "error"]
+        return f"{errors[0]['ename']}: {errors[0]['evalue']}" if errors else None
+
+    outcome = WrongAnswerOutcome(rejected=False)
+    setup_error = run(solution, wrong_source)
+    if setup_error is not None:
+        outcome.problem = f"the wrong answer's own cell raised {setup_error}"
+    else:
+        graded_error = run(graded)
+        if graded_error is None:
+            outcome.error = None
+        else:
+            outcome.error = graded_error.split(":", 1)[0]
+            if outcome.error in TRIVIAL_ERRORS:
+                outcome.problem = f"the graded cell failed on broken code, not on the idea: {graded_error}"
+            else:
+                outcome.rejected = True
+    restored = run(solution) or run(graded)
+    if restored is not None:
+        outcome.problem = f"after it, the real solution failed: {restored}"
+        outcome.rejected = False
+    return outcome
 
 
 def _probe_student(client, student: nbformat.NotebookNode, first: int,

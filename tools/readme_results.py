@@ -60,26 +60,26 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
         ("leak_bytes_per_step", "memory leaked per step by keeping the loss tensor (predicted to the byte)"),
         ("optimizer_in_backward_peak_ratio", "peak memory with the optimizer step in backward, vs after it"),
     ],
-    "08_checkpoint_and_resume": [
+    "12_checkpoint_and_resume": [
         ("full_resume_max_weight_difference", "weight difference after a full resume (0 = bit-identical)"),
         ("weight_difference_without_rng", "weight difference when the RNG state is not restored"),
     ],
-    "09_capstone_fit_then_fast": [
+    "13_capstone_fit_then_fast": [
         ("largest_batch_fp32", "largest batch that fits the memory budget, fp32"),
         ("largest_batch_best", "largest batch that fits the same budget, best technique"),
     ],
-    "10_distributed_ddp_zero_fsdp": [
+    "11_distributed_ddp_zero_fsdp": [
         ("max_weight_difference_vs_one_process", "weight difference, N ranks vs one process with the whole batch"),
         ("fsdp_over_ddp_communication", "bytes each rank sends per step, FSDP vs DDP (predicted 1.5×)"),
     ],
-    "11_memory_budget_offloading_chunked_loss": [
+    "08_memory_budget_offloading_chunked_loss": [
         ("chunked_peak_ratio_smallest_chunk", "peak memory of the chunked loss vs the plain one"),
         ("bf16_hook_saved_fraction", "saved-activation memory removed by bf16 saved-tensor hooks"),
     ],
 }
 # Key plots, by file-name prefix in results/<slug>/figures/; the first match of each is shown.
 KEY_PLOTS = ["00_step_timeline", "01_footprint_by_batch", "03_memory_vs_time", "04_autocast_memory",
-             "09_largest_batch", "11_budget_memory_vs_recompute"]
+             "13_largest_batch", "08_budget_memory_vs_recompute"]
 MAX_PLOTS = 6
 
 

@@ -9,8 +9,9 @@ from .activations import (BudgetUnavailable, activation_memory_budget, bf16_save
 from .capacity import (TECHNIQUES, BatchSearch, CapacityError, Checkpointed, Technique, TechniqueCapacity,
                        checkpoint_each, find_max_batch_size, largest_batches, make_train_step, predict_max_batch_size,
                        run_under_budget, what_to_try_first)
-from .env import (CHECK_MODE_VARIABLE, build_dir, check_mode, device_name, environment_report, pick_device,
-                  seed_everything, supports_bf16)
+from .env import (CHECK_MODE_VARIABLE, MEMORY_CLASSES_GB, autocast_dtype, build_dir, by_memory, check_mode,
+                  device_memory_bytes, device_name, environment_report, memory_class_gb, pick_device, seed_everything,
+                  supports_bf16)
 from .footprint import (BytesPerParameter, ModelStateFootprint, bytes_per_parameter, count_parameters,
                         max_trainable_parameters, predict_mlp_activation_bytes, predict_model_state)
 from .grads import (GradientAudit, assert_all_parameters_have_gradients, audit_gradients, flat_gradients,
@@ -37,8 +38,9 @@ __all__ = [
     "TECHNIQUES", "BatchSearch", "CapacityError", "Checkpointed", "Technique", "TechniqueCapacity", "checkpoint_each",
     "find_max_batch_size", "largest_batches", "make_train_step", "predict_max_batch_size", "run_under_budget",
     "what_to_try_first",
-    "CHECK_MODE_VARIABLE", "build_dir", "check_mode", "device_name", "environment_report", "pick_device",
-    "seed_everything", "supports_bf16",
+    "CHECK_MODE_VARIABLE", "MEMORY_CLASSES_GB", "autocast_dtype", "build_dir", "by_memory", "check_mode",
+    "device_memory_bytes", "device_name", "environment_report", "memory_class_gb", "pick_device", "seed_everything",
+    "supports_bf16",
     "BytesPerParameter", "ModelStateFootprint", "bytes_per_parameter", "count_parameters",
     "max_trainable_parameters", "predict_mlp_activation_bytes", "predict_model_state",
     "GradientAudit", "assert_all_parameters_have_gradients", "audit_gradients", "flat_gradients", "parameter_changes",

@@ -1,6 +1,6 @@
 """Past checkpointing: compile's activation-memory budget, saved-tensor hooks, a chunked loss.
 
-Introduced in notebook 11. Three levers that large-model trainers pull when checkpointing by hand
+Introduced in notebook 08. Three levers that large-model trainers pull when checkpointing by hand
 (notebook 03) is not enough:
 
 * ``activation_memory_budget(budget)``: a validated context for ``torch.compile``'s knob
@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
+from .checks import positive_int
 from .memory import _iter_tensors
 
 __all__ = ["BudgetUnavailable", "Bf16PackStats", "bf16_saved_activations", "activation_memory_budget",
@@ -160,7 +161,7 @@ class bf16_saved_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa:
         >>> hooks.stats.original_bytes - hooks.stats.packed_bytes   # bytes saved
 
     Known limitations:
-        Gradients carry bf16 rounding (measured in notebook 11). Only float32 tensors are
+        Gradients carry bf16 rounding (measured in notebook 08). Only float32 tensors are
         converted. Two different views of one storage are converted separately.
     """
 
@@ -210,14 +211,9 @@ def validate_chunk_size(chunk_size: int) -> int:
     """Check that a chunk size is a positive integer (a bool is refused) and return it.
 
     Raises:
-        TypeError: not an int.
-        ValueError: zero or negative.
+        ValueError: not an int, or zero or negative.
     """
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise TypeError(f"chunk_size must be a positive int (tokens per chunk), not {type(chunk_size).__name__}")
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int (tokens per chunk), got {chunk_size}")
-    return chunk_size
+    return positive_int("chunk_size", chunk_size, "tokens per chunk")
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The largest batch that fits: a search under a memory budget, a prediction, and per-technique comparisons.
 
-Introduced in notebook 09. ``find_max_batch_size`` doubles the batch size until a training step runs
+Introduced in notebook 13. ``find_max_batch_size`` doubles the batch size until a training step runs
 out of memory, then bisects between the last size that ran and the first that did not (the search of
 Lightning's ``BatchSizeFinder`` in ``binsearch`` mode and of accelerate's
 ``find_executable_batch_size``, which only halves). The budget is real on both devices: on CUDA
@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .checks import positive_int
 from .footprint import predict_model_state
 from .memory import measure_memory
 
@@ -62,12 +63,6 @@ class BatchSearch:
     def resolution(self) -> int:
         """How far the true limit can be above ``largest``: 1 after a full bisection, 0 if ``limit`` ran."""
         return 0 if self.first_failure is None else self.first_failure - self.largest
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def _release(device: torch.device) -> None:
@@ -174,9 +169,9 @@ def find_max_batch_size(step: Callable[[int], Any], device: torch.device | str, 
     if not callable(step):
         raise TypeError(f"step must be callable as step(batch_size), got {type(step).__name__}")
     device = torch.device(device)
-    budget_bytes = _positive_int("budget_bytes", budget_bytes)
-    start = _positive_int("start", start)
-    limit = _positive_int("limit", limit)
+    budget_bytes = positive_int("budget_bytes", budget_bytes)
+    start = positive_int("start", start)
+    limit = positive_int("limit", limit)
     if start > limit:
         raise ValueError(f"start ({start}) must not exceed limit ({limit})")
     include = [obj for obj in (model, optimizer) if obj is not None]
@@ -271,7 +266,7 @@ def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
         >>> step = make_train_step(model, optimizer, batch_fn, nn.functional.cross_entropy)
         >>> loss = step(32)
     """
-    _positive_int("micro_batches", micro_batches)
+    positive_int("micro_batches", micro_batches)
     device_type = next(model.parameters()).device.type
 
     def step(batch_size: int) -> float:
@@ -354,7 +349,7 @@ def predict_max_batch_size(state_bytes: int, peak_small: int, peak_double: int, 
         ``(predicted_batch, per_sample_bytes, fixed_bytes)``; ``predicted_batch`` is 0 when not even
         one sample fits.
     """
-    small_batch = _positive_int("small_batch", small_batch)
+    small_batch = positive_int("small_batch", small_batch)
     per_sample = (peak_double - peak_small) // small_batch
     if per_sample <= 0:
         raise ValueError(f"the peak did not grow with the batch ({peak_small:,} -> {peak_double:,} bytes): "

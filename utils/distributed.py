@@ -1,10 +1,10 @@
-"""The training script notebook 10 launches: DDP, ZeRO-1 or FSDP2 on every rank, measured, written as JSON.
+"""The training script notebook 11 launches: DDP, ZeRO-1 or FSDP2 on every rank, measured, written as JSON.
 
-Introduced in notebook 10 (``utils.parallel`` predicts and launches it). Run it unchanged on a
+Introduced in notebook 11 (``utils.parallel`` predicts and launches it). Run it unchanged on a
 multi-GPU node::
 
     python -m torch.distributed.run --standalone --nproc-per-node 8 -m utils.distributed \\
-        --strategy fsdp --hidden 4096 --layers 8 --micro-batch 16 --steps 50 --out build/10_run
+        --strategy fsdp --hidden 4096 --layers 8 --micro-batch 16 --steps 50 --out build/11_run
 
 Each rank trains the same ``utils.MLP`` (every layer ``hidden`` wide) on the same synthetic data,
 sharded by ``DistributedSampler``, and writes ``<out>/<run>_rank<r>.json``: the bytes it held at
@@ -186,7 +186,7 @@ def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, di
     """Save a sharded checkpoint with ``torch.distributed.checkpoint``, atomically.
 
     Every rank writes its shards into ``step_NNNNNN.partial``; after a barrier rank 0 renames it to
-    ``step_NNNNNN`` (one atomic rename, as notebook 08 does for single files). A rank that dies
+    ``step_NNNNNN`` (one atomic rename, as notebook 12 does for single files). A rank that dies
     mid-save leaves only a ``.partial`` folder, which ``latest_complete_checkpoint`` ignores.
 
     Args:

@@ -10,6 +10,7 @@ import os
 import platform
 import random
 from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 
@@ -87,15 +88,85 @@ def device_name(device: torch.device | str) -> str:
 
 
 def supports_bf16(device: torch.device | str) -> bool:
-    """Whether bf16 arithmetic is natively supported (CUDA compute capability 8.0+, or any CPU).
+    """Whether bf16 arithmetic is native: CUDA compute capability 8.0+ (A100, H100, RTX 30xx on), or any CPU.
 
-    CPUs always *run* bf16, but without AMX/AVX512-BF16 it is emulated and slower than fp32;
-    notebook 04 measures that instead of assuming it.
+    On CUDA this asks the device's capability, not ``torch.cuda.is_bf16_supported()``, whose default
+    (``including_emulation=True``) also answers True on a T4 (7.5), where bf16 is emulated, slow, and
+    gets neither Inductor nor the flash kernels. CPUs always *run* bf16, but without AMX/AVX512-BF16
+    it is emulated and slower than fp32; notebook 04 measures that instead of assuming it.
     """
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        return torch.cuda.get_device_capability(device) >= (8, 0)
     return True
+
+
+def autocast_dtype(device: torch.device | str) -> torch.dtype:
+    """The 16-bit format to train in on ``device``: bf16 where it is native, fp16 (with a GradScaler) otherwise.
+
+    bf16 has fp32's range, so it needs no loss scaling; fp16 does (notebook 04). A T4 or a V100 has no
+    native bf16, so there the notebooks train in fp16 with ``torch.amp.GradScaler`` and say why.
+
+    Example:
+        >>> dtype = autocast_dtype(device)
+        >>> scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    """
+    return torch.bfloat16 if supports_bf16(device) else torch.float16
+
+
+# Memory classes of the cards readers have: an 8 GB laptop GPU, a free Colab T4 (16 GB), a 24 GB desktop
+# card, a 40-48 GB A100/L40S and an 80 GB (or larger) A100/H100. A class is the largest one whose size
+# (in GB of 10**9 bytes, as cards are sold, less 10 % for the context and the allocator) fits the card.
+MEMORY_CLASSES_GB = (8, 16, 24, 40, 80)
+
+
+def device_memory_bytes(device: torch.device | str) -> int | None:
+    """Total memory of a CUDA device in bytes (``torch.cuda.get_device_properties``); None on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+def memory_class_gb(device: torch.device | str) -> int | None:
+    """The card's memory class in GB (one of ``MEMORY_CLASSES_GB``), or None on the CPU.
+
+    Raises:
+        ValueError: a CUDA device with less than 90 % of 8 GB: the course's GPU sizes need at least that.
+    """
+    total = device_memory_bytes(device)
+    if total is None:
+        return None
+    fitting = [gb for gb in MEMORY_CLASSES_GB if total >= 0.9 * gb * 10**9]
+    if not fitting:
+        raise ValueError(f"{torch.device(device)} has {total / 10**9:.1f} GB: the course's GPU sizes expect a card of "
+                         f"at least {MEMORY_CLASSES_GB[0]} GB (run on the CPU with utils.pick_device('cpu'))")
+    return fitting[-1]
+
+
+def by_memory(device: torch.device | str, *, cpu: Any, gpu: Mapping[int, Any]) -> Any:
+    """Pick a size for this device: ``cpu`` on the CPU, else the entry of ``gpu`` for the largest class that fits.
+
+    Args:
+        device: where the notebook runs.
+        cpu: the value on a CPU.
+        gpu: memory class in GB -> value, e.g. ``{8: 256, 24: 512, 80: 1024}``; it must hold the smallest class
+            (8), and a card gets the entry of the largest class at or below its own.
+
+    Raises:
+        ValueError: ``gpu`` has no entry for 8 GB, or a key that is not a class of ``MEMORY_CLASSES_GB``.
+
+    Example:
+        >>> HIDDEN = 64 if CHECK_MODE else utils.by_memory(DEVICE, cpu=256, gpu={8: 512, 80: 2048})
+    """
+    unknown = [key for key in gpu if key not in MEMORY_CLASSES_GB]
+    if unknown or MEMORY_CLASSES_GB[0] not in gpu:
+        raise ValueError(f"gpu must map memory classes {MEMORY_CLASSES_GB} (GB) to values and hold "
+                         f"{MEMORY_CLASSES_GB[0]}, got keys {sorted(gpu)}")
+    memory_class = memory_class_gb(device)
+    if memory_class is None:
+        return cpu
+    return gpu[max(key for key in gpu if key <= memory_class)]
 
 
 def environment_report(device: torch.device | str) -> str:
@@ -108,7 +179,8 @@ def environment_report(device: torch.device | str) -> str:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         parts.append(f"CUDA {torch.version.cuda}, capability {major}.{minor}")
-    parts.append(f"bf16: {'yes' if supports_bf16(device) else 'no'}")
+        parts.append(f"{device_memory_bytes(device) / 10**9:.1f} GB ({memory_class_gb(device)} GB class)")
+    parts.append(f"bf16: {'yes' if supports_bf16(device) else 'no (fp16 + GradScaler instead)'}")
     parts.append(f"CPU threads: {torch.get_num_threads()}")
     return " | ".join(parts)
 

@@ -12,10 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+from .checks import positive_int
 
 
 class MLP(nn.Module):
@@ -36,7 +33,7 @@ class MLP(nn.Module):
         super().__init__()
         for name, value in [("in_features", in_features), ("hidden_features", hidden_features),
                             ("out_features", out_features), ("num_hidden_layers", num_hidden_layers)]:
-            _positive(name, value)
+            positive_int(name, value)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.in_features = in_features
@@ -77,7 +74,7 @@ class SmallConvNet(nn.Module):
         super().__init__()
         for name, value in [("in_channels", in_channels), ("num_classes", num_classes),
                             ("width", width), ("num_blocks", num_blocks)]:
-            _positive(name, value)
+            positive_int(name, value)
         blocks: list[nn.Module] = []
         channels = in_channels
         for index in range(num_blocks):
@@ -105,8 +102,8 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, mlp_ratio: int = 4, dropout: float = 0.0) -> None:
         super().__init__()
-        _positive("d_model", d_model)
-        _positive("num_heads", num_heads)
+        positive_int("d_model", d_model)
+        positive_int("num_heads", num_heads)
         if d_model % num_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
         self.num_heads = num_heads
@@ -151,7 +148,7 @@ class TinyTransformer(nn.Module):
         super().__init__()
         for name, value in [("vocab_size", vocab_size), ("num_layers", num_layers),
                             ("max_seq_len", max_seq_len), ("mlp_ratio", mlp_ratio)]:
-            _positive(name, value)
+            positive_int(name, value)
         self.max_seq_len = max_seq_len
         self.token_embedding = nn.Embedding(vocab_size, d_model)
         self.position_embedding = nn.Embedding(max_seq_len, d_model)
@@ -181,7 +178,7 @@ def make_classification_data(num_samples: int, in_features: int, num_classes: in
         ``(features, labels)`` of shapes (num_samples, in_features) float32 and (num_samples,) int64.
     """
     for name, value in [("num_samples", num_samples), ("in_features", in_features), ("num_classes", num_classes)]:
-        _positive(name, value)
+        positive_int(name, value)
     generator = torch.Generator().manual_seed(seed)
     features = torch.randn(num_samples, in_features, generator=generator)
     teacher = torch.randn(in_features, num_classes, generator=generator) / math.sqrt(in_features)
@@ -197,7 +194,7 @@ def make_token_data(num_sequences: int, seq_len: int, vocab_size: int, *, seed: 
         ``(inputs, targets)``, both (num_sequences, seq_len) int64; targets are inputs shifted by one.
     """
     for name, value in [("num_sequences", num_sequences), ("seq_len", seq_len), ("vocab_size", vocab_size)]:
-        _positive(name, value)
+        positive_int(name, value)
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, vocab_size, (num_sequences, 1), generator=generator)
     steps = torch.randint(1, 4, (num_sequences, 1), generator=generator)

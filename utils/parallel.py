@@ -1,6 +1,6 @@
 """Data-parallel training on several ranks, predicted and launched: ZeRO's formulas, the torchrun launcher.
 
-Introduced in notebook 10, with ``utils.distributed`` (the training script this module launches).
+Introduced in notebook 11, with ``utils.distributed`` (the training script this module launches).
 
 * ``predict_zero_bytes_per_rank`` and ``predict_communication_bytes``: the ZeRO paper's per-rank
   model-state bytes for stages 0-3 and the bytes each rank sends per step, built on
@@ -36,6 +36,7 @@ from typing import Sequence
 
 import torch
 
+from .checks import non_negative_int, positive_int
 from .footprint import bytes_per_parameter
 from .models import MLP, make_classification_data
 
@@ -63,8 +64,7 @@ def check_world_size(world_size: int, hidden: int) -> None:
     Raises:
         ValueError: ``world_size`` is not a positive int, or does not divide ``hidden``.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world size must be a positive int, got {world_size!r}")
+    positive_int("world_size", world_size)
     if hidden % world_size:
         raise ValueError(f"a model {hidden} wide cannot be split over {world_size} ranks: expected a world size "
                          f"that divides {hidden} (every parameter's first dimension)")
@@ -121,10 +121,9 @@ def predict_zero_bytes_per_rank(num_parameters: int, world_size: int, stage: int
         >>> predict_zero_bytes_per_rank(7 * 10**9, 8, 3, precision="mixed").total_bytes / 1e9
         14.0
     """
-    for name, value in [("num_parameters", num_parameters), ("world_size", world_size), ("num_tensors", num_tensors)]:
-        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "num_tensors" else 1):
-            raise ValueError(f"{name} must be a {'non-negative' if name == 'num_tensors' else 'positive'} int, "
-                             f"got {value!r}")
+    positive_int("num_parameters", num_parameters)
+    positive_int("world_size", world_size)
+    non_negative_int("num_tensors", num_tensors)
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3 (ZeRO's stages), got {stage!r}")
     per = bytes_per_parameter(optimizer, precision)
@@ -162,8 +161,7 @@ def predict_communication_bytes(num_parameters: int, world_size: int, strategy: 
         Predicted bytes sent by each rank per step (0 at N = 1).
     """
     check_strategy(strategy)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    positive_int("world_size", world_size)
     volume = num_parameters * bytes_per_element
     passes = {"ddp": 2, "zero1": 3, "fsdp": 3, "fsdp-no-reshard": 2}[strategy]
     return passes * (world_size - 1) * volume // world_size
@@ -343,8 +341,7 @@ def torchrun_command(nproc: int, script_args: Sequence[str], port: int | None = 
 
     With ``port`` the rendezvous uses that port on 127.0.0.1 instead of ``--standalone``'s free one.
     """
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc must be a positive int, got {nproc!r}")
+    positive_int("nproc", nproc)
     rendezvous = (["--standalone"] if port is None else
                   ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"])
     return [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node", str(nproc),
@@ -383,7 +380,7 @@ def launch(nproc: int, *, strategies: Sequence[str], out: Path | str, hidden: in
         LaunchError: a rank failed (the message holds its error) or the launch timed out.
 
     Example:
-        >>> result = launch(2, strategies=["ddp"], out=utils.build_dir() / "10_ddp")
+        >>> result = launch(2, strategies=["ddp"], out=utils.build_dir() / "11_ddp")
         >>> result.ranks["ddp"][1]["end_of_step_bytes"]
     """
     for strategy in strategies:

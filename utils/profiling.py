@@ -26,6 +26,8 @@ from torch import nn
 from torch.autograd import DeviceType
 from torch.utils.data import Dataset, get_worker_info
 
+from .checks import non_negative_int, positive_int, positive_number
+
 __all__ = [
     "BOTTLENECK_VERDICTS", "DataWaitTimer", "RandomDrawDataset", "SyntheticImageDataset", "classify_bottleneck",
     "linear_arithmetic_intensity", "linear_flops", "range_times_ms", "recommend_num_workers", "seed_worker",
@@ -33,20 +35,6 @@ __all__ = [
 ]
 
 
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def _non_negative_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-
-
-def _positive_number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
 
 
 def _names(names: Sequence[str]) -> list[str]:
@@ -92,9 +80,9 @@ class SyntheticImageDataset(Dataset):
                  decode_passes: int = 1, seed: int = 0) -> None:
         for name, value in [("num_samples", num_samples), ("image_size", image_size), ("crop_size", crop_size),
                             ("num_classes", num_classes)]:
-            _positive_int(name, value)
-        _non_negative_int("decode_passes", decode_passes)
-        _non_negative_int("seed", seed)
+            positive_int(name, value)
+        non_negative_int("decode_passes", decode_passes)
+        non_negative_int("seed", seed)
         if crop_size > image_size:
             raise ValueError(f"crop_size ({crop_size}) cannot exceed image_size ({image_size})")
         self.image_size = image_size
@@ -150,8 +138,8 @@ class RandomDrawDataset(Dataset):
     COLUMNS = ("index", "worker_id", "torch", "numpy_global", "numpy_generator")
 
     def __init__(self, num_samples: int, seed: int = 0) -> None:
-        _positive_int("num_samples", num_samples)
-        _non_negative_int("seed", seed)
+        positive_int("num_samples", num_samples)
+        non_negative_int("seed", seed)
         self.num_samples = num_samples
         self.rng = np.random.default_rng(seed)
 
@@ -182,7 +170,7 @@ def seed_worker(worker_id: int) -> None:
         >>> loader = DataLoader(dataset, num_workers=2, worker_init_fn=seed_worker,
         ...                     generator=torch.Generator().manual_seed(0))
     """
-    _non_negative_int("worker_id", worker_id)
+    non_negative_int("worker_id", worker_id)
     worker_seed = torch.initial_seed() % 2**32          # base_seed + worker_id, set by the DataLoader
     np.random.seed(worker_seed)
     random.seed(worker_seed)
@@ -227,7 +215,7 @@ class DataWaitTimer:
         if not hasattr(iterable, "__iter__"):
             raise TypeError(f"DataWaitTimer needs an iterable (e.g. a DataLoader), got {type(iterable).__name__}")
         if max_items is not None:
-            _positive_int("max_items", max_items)
+            positive_int("max_items", max_items)
         self.iterable = iterable
         self.max_items = max_items
         self.wait_ms: list[float] = []
@@ -254,7 +242,7 @@ class DataWaitTimer:
         return float(sum(self.wait_ms))
 
     def _kept(self, skip: int) -> tuple[list[float], list[float]]:
-        _non_negative_int("skip", skip)
+        non_negative_int("skip", skip)
         completed = len(self.busy_ms)
         waits, busies = self.wait_ms[skip:completed], self.busy_ms[skip:completed]
         if not busies:
@@ -457,7 +445,7 @@ def linear_flops(model: nn.Module, batch_size: int, *, input_requires_grad: bool
     Example:
         >>> forward, backward = linear_flops(utils.MLP(784, 256, 10), batch_size=64)
     """
-    _positive_int("batch_size", batch_size)
+    positive_int("batch_size", batch_size)
     layers = _linear_layers(model)
     forward = sum(2 * batch_size * layer.in_features * layer.out_features for layer in layers)
     first = layers[0]
@@ -481,8 +469,8 @@ def linear_arithmetic_intensity(model: nn.Module, batch_size: int, bytes_per_ele
     Returns:
         Total forward FLOPs divided by total compulsory bytes (FLOP/byte).
     """
-    _positive_int("batch_size", batch_size)
-    _positive_int("bytes_per_element", bytes_per_element)
+    positive_int("batch_size", batch_size)
+    positive_int("bytes_per_element", bytes_per_element)
     layers = _linear_layers(model)
     flops = sum(2 * batch_size * layer.in_features * layer.out_features for layer in layers)
     traffic = sum(bytes_per_element * (layer.in_features * layer.out_features + batch_size * layer.in_features
@@ -507,9 +495,9 @@ def workers_needed(sample_ms: float, batch_size: int, step_ms: float) -> float:
     Returns:
         The (fractional) number of workers; round up for a setting.
     """
-    sample_ms = _positive_number("sample_ms", sample_ms)
-    _positive_int("batch_size", batch_size)
-    step_ms = _positive_number("step_ms", step_ms)
+    sample_ms = positive_number("sample_ms", sample_ms)
+    positive_int("batch_size", batch_size)
+    step_ms = positive_number("step_ms", step_ms)
     return batch_size * sample_ms / step_ms
 
 
@@ -529,8 +517,8 @@ def recommend_num_workers(sample_ms: float, batch_size: int, step_ms: float, cpu
     Returns:
         The recommended ``num_workers`` (0 means load in the main process).
     """
-    _positive_int("cpu_count", cpu_count)
-    _non_negative_int("reserved_cores", reserved_cores)
+    positive_int("cpu_count", cpu_count)
+    non_negative_int("reserved_cores", reserved_cores)
     needed = math.ceil(workers_needed(sample_ms, batch_size, step_ms) - 1e-9)
     return max(0, min(needed, cpu_count - reserved_cores))
 
@@ -560,8 +548,8 @@ def classify_bottleneck(data_wait_fraction: float, arithmetic_intensity: float, 
     if isinstance(data_wait_fraction, bool) or not isinstance(data_wait_fraction, (int, float)) \
             or not 0.0 <= data_wait_fraction <= 1.0:
         raise ValueError(f"data_wait_fraction must be a number in [0, 1], got {data_wait_fraction!r}")
-    arithmetic_intensity = _positive_number("arithmetic_intensity", arithmetic_intensity)
-    machine_balance = _positive_number("machine_balance", machine_balance)
+    arithmetic_intensity = positive_number("arithmetic_intensity", arithmetic_intensity)
+    machine_balance = positive_number("machine_balance", machine_balance)
     if isinstance(data_threshold, bool) or not isinstance(data_threshold, (int, float)) or not 0 < data_threshold < 1:
         raise ValueError(f"data_threshold must be in (0, 1), got {data_threshold!r}")
     if data_wait_fraction >= data_threshold:

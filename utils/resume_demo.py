@@ -1,6 +1,6 @@
-"""A small resumable training run, and the child processes notebook 08 starts, kills and resumes.
+"""A small resumable training run, and the child processes notebook 12 starts, kills and resumes.
 
-Introduced in notebook 08. The notebook trains here in its own process, saves, and then runs these
+Introduced in notebook 12. The notebook trains here in its own process, saves, and then runs these
 commands in *fresh* processes (``Child``: forked from a forkserver that has imported torch, so each
 starts in milliseconds), so that nothing a resumed run needs can hide in the notebook's memory. A
 reader can run the same commands with ``python -m utils.resume_demo <command> --help``:

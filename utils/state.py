@@ -1,6 +1,6 @@
 """Full training state: capture and restore every RNG, save atomically, load safely, plan save intervals.
 
-Introduced in notebook 08. A resumed run is only *the same run* when the checkpoint holds everything
+Introduced in notebook 12. A resumed run is only *the same run* when the checkpoint holds everything
 the next step depends on: model, optimizer (its moments and its own step counter), learning-rate
 scheduler, GradScaler, the step and epoch, every random generator (Python, NumPy, torch CPU, CUDA)
 and the position in the data order. This module captures and restores all of it with plain
@@ -113,7 +113,7 @@ def capture_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimi
     """Everything the next training step depends on, as one dict of plain containers and tensors.
 
     Why: BEE-30091's checkpoint saves model, optimizer, scheduler and step, and forgets the
-    GradScaler, the RNGs and the data position; notebook 08 measures what each omission breaks.
+    GradScaler, the RNGs and the data position; notebook 12 measures what each omission breaks.
     The tensors are *references* to the live ones (``state_dict`` does not copy): save the dict
     before the next step, or copy it with ``copy_to_cpu``.
 
