@@ -141,6 +141,30 @@ def test_reference_finder_reads_lists_and_topics():
     assert notebook_references("as in notebook 01, 30 % of each GPU") == [("01", None)]
 
 
+MAX_CODE_CELL_LINES = 25
+
+
+@pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=IDS)
+def test_code_cells_are_short_and_introduced(path):
+    """A reader copies short cells: no code cell but `parameters` over 25 lines; and every code cell follows a
+    markdown cell that says what it does, except an exercise's graded cell (nbgrader puts it right after the
+    solution) and the set-up cell right after `parameters`."""
+    cells = _cells(path)
+    problems = []
+    for index, cell in enumerate(cells):
+        if cell.cell_type != "code" or "parameters" in cell.metadata.get("tags", []):
+            continue
+        lines = len(_source(cell).strip().splitlines())
+        if lines > MAX_CODE_CELL_LINES:
+            problems.append(f"cell {index} ({cell.id}): {lines} lines")
+        previous = cells[index - 1]
+        graded = cell.metadata.get("nbgrader", {}).get("grade") and not cell.metadata.get("nbgrader", {}).get("solution")
+        after_parameters = "parameters" in previous.metadata.get("tags", [])
+        if previous.cell_type != "markdown" and not graded and not after_parameters:
+            problems.append(f"cell {index} ({cell.id}) follows a code cell with no sentence between")
+    assert not problems, f"{path.stem}:\n" + "\n".join(problems)
+
+
 # phrases that put one machine's measurement into prose, where it is false on the next machine
 MACHINE_SPECIFIC = re.compile(r"we measured|measured on a \d+-core|on a \d+-core CPU we|about \d+(\.\d+)? ?×", re.IGNORECASE)
 
