@@ -75,3 +75,54 @@ def test_count_parameters():
     assert utils.count_parameters(model) == 15
     model.bias.requires_grad_(False)
     assert utils.count_parameters(model) == 12 and utils.count_parameters(model, trainable_only=False) == 15
+
+
+def _model_with_every_kind_of_shape() -> torch.nn.Module:
+    # matrices, vectors, a 3-d tensor and a 0-dim scalar: Adafactor factors only the first two kinds
+    model = torch.nn.Sequential(torch.nn.Linear(12, 7), torch.nn.LayerNorm(7), torch.nn.Linear(7, 3, bias=False))
+    model.register_parameter("cube", torch.nn.Parameter(torch.randn(2, 5, 3)))
+    model.register_parameter("scalar", torch.nn.Parameter(torch.tensor(0.5)))
+    return model
+
+
+@pytest.mark.parametrize("name, factory", [
+    ("sgd", lambda p: torch.optim.SGD(p, lr=0.1)),
+    ("sgd_momentum", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+    ("adam", lambda p: torch.optim.Adam(p)),
+    ("adamw", lambda p: torch.optim.AdamW(p)),
+    ("adafactor", lambda p: torch.optim.Adafactor(p)),
+])
+def test_optimizer_state_bytes_equal_torch_state_after_a_step(name, factory):
+    model = _model_with_every_kind_of_shape()
+    optimizer = factory(model.parameters())
+    loss = model[2](model[1](model[0](torch.randn(4, 12)))).sum() + model.cube.sum() + model.scalar
+    loss.backward()
+    with utils.measure_memory("cpu", include=model) as mem:
+        optimizer.step()
+    predicted = utils.predict_optimizer_state_bytes([p.shape for p in model.parameters()], name)
+    assert utils.tensor_bytes(optimizer) == predicted
+    assert mem.end_bytes == predicted
+
+
+def test_optimizer_state_bytes_by_formula():
+    assert utils.predict_optimizer_state_bytes([(10, 10), (10,)], "adamw") == 888
+    assert utils.predict_optimizer_state_bytes([(10, 10), (10,)], "adafactor") == (10 + 10) * 4 + 4 + 10 * 4 + 4
+    assert utils.predict_optimizer_state_bytes([torch.Size([4, 6, 8])], "adafactor") == (24 + 32) * 4 + 4
+    assert utils.predict_optimizer_state_bytes([(1000,)], "adamw8bit") == 2000 + 2 * 4 * 4
+    assert utils.predict_optimizer_state_bytes([(1000,)], "adamw8bit", block_size=1000) == 2000 + 8
+    assert utils.predict_optimizer_state_bytes([torch.zeros(3, 3)], "sgd_momentum") == 36
+    assert utils.predict_optimizer_state_bytes([], "adam") == 0
+
+
+def test_optimizer_state_bytes_bad_input():
+    with pytest.raises(ValueError, match="adafactor.*adamw8bit"):
+        utils.predict_optimizer_state_bytes([(3,)], "lion")
+    for bad in (0, -256, 1.5, True):
+        with pytest.raises(ValueError, match="block_size must be a positive int"):
+            utils.predict_optimizer_state_bytes([(3,)], "adamw8bit", block_size=bad)
+    with pytest.raises(ValueError, match="ints >= 0"):
+        utils.predict_optimizer_state_bytes([(3, -1)], "adamw")
+    with pytest.raises(TypeError, match="sequence of ints"):
+        utils.predict_optimizer_state_bytes([3], "adamw")
+    with pytest.raises(TypeError, match="iterable of shapes"):
+        utils.predict_optimizer_state_bytes(torch.zeros(3), "adamw")

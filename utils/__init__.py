@@ -13,7 +13,8 @@ from .env import (CHECK_MODE_VARIABLE, MEMORY_CLASSES_GB, autocast_dtype, build_
                   device_memory_bytes, device_name, environment_report, memory_class_gb, pick_device, seed_everything,
                   supports_bf16)
 from .footprint import (BytesPerParameter, ModelStateFootprint, bytes_per_parameter, count_parameters,
-                        max_trainable_parameters, predict_mlp_activation_bytes, predict_model_state)
+                        max_trainable_parameters, predict_mlp_activation_bytes, predict_model_state,
+                        predict_optimizer_state_bytes)
 from .grads import (GradientAudit, assert_all_parameters_have_gradients, audit_gradients, flat_gradients,
                     parameter_changes, snapshot_parameters)
 from .memory import (MemoryMeasurement, MemorySample, SavedTensors, measure_memory, tensor_bytes, to_mib,
@@ -42,7 +43,7 @@ __all__ = [
     "device_memory_bytes", "device_name", "environment_report", "memory_class_gb", "pick_device", "seed_everything",
     "supports_bf16",
     "BytesPerParameter", "ModelStateFootprint", "bytes_per_parameter", "count_parameters",
-    "max_trainable_parameters", "predict_mlp_activation_bytes", "predict_model_state",
+    "max_trainable_parameters", "predict_mlp_activation_bytes", "predict_model_state", "predict_optimizer_state_bytes",
     "GradientAudit", "assert_all_parameters_have_gradients", "audit_gradients", "flat_gradients", "parameter_changes",
     "snapshot_parameters",
     "MemoryMeasurement", "MemorySample", "SavedTensors", "measure_memory", "tensor_bytes", "to_mib",

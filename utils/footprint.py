@@ -20,6 +20,7 @@ a 4-byte ``step`` tensor per parameter *tensor* (not per element), which the exa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -202,3 +203,90 @@ def predict_mlp_activation_bytes(model: torch.nn.Module, batch_size: int,
     item = torch.empty((), dtype=dtype).element_size()
     hidden = sum(model.hidden_features for _ in range(model.num_hidden_layers))
     return item * batch_size * (hidden + model.out_features)
+
+
+STATE_OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw", "adafactor", "adamw8bit")
+
+
+def _shape_numel(shape: object) -> tuple[int, ...]:
+    if isinstance(shape, torch.Tensor):
+        shape = shape.shape
+    try:
+        dims = tuple(shape)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"each shape must be a sequence of ints (or a tensor), got {shape!r}") from None
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+        raise ValueError(f"each shape must hold ints >= 0, got {shape!r}")
+    return dims
+
+
+def predict_optimizer_state_bytes(shapes: Iterable[object], optimizer: str, *, block_size: int = 256) -> int:
+    """Exact bytes of optimizer state for trainable parameters of the given shapes (fp32 state).
+
+    Why: the optimizer's share is the part of fine-tuning memory that depends only on which
+    parameters train and which optimizer trains them; this counts it tensor by tensor, the way
+    ``torch.optim`` allocates it after the first ``step()``, so the exact CPU tracker agrees to
+    the byte.
+
+    What each optimizer keeps, per parameter tensor of ``n`` elements (4-byte fp32 elements):
+
+    * ``"sgd"``: nothing.
+    * ``"sgd_momentum"``: one ``momentum_buffer`` of ``n`` elements.
+    * ``"adam"``, ``"adamw"``: ``exp_avg`` and ``exp_avg_sq`` (``2n`` elements) and a 0-dim fp32
+      ``step`` tensor (4 bytes per tensor, not per element).
+    * ``"adafactor"`` (``torch.optim.Adafactor``): a 0-dim fp32 ``step`` tensor; for a tensor of
+      two or more dimensions a ``row_var`` of shape ``shape[:-1] + (1,)`` and a ``col_var`` of shape
+      ``shape[:-2] + (1, shape[-1])`` (the factored second moment, no first moment); for a vector
+      or a scalar a full ``variance`` of ``n`` elements.
+    * ``"adamw8bit"`` (``utils.AdamW8bit``): both moments as uint8 codes (``2n`` bytes) and one
+      fp32 scale per block of ``block_size`` elements for each moment (``2 * 4 * ceil(n /
+      block_size)`` bytes); its step count is a Python int (no tensor).
+
+    Args:
+        shapes: the shapes of the trainable parameters (tuples, ``torch.Size``, or tensors whose
+            ``.shape`` is used).
+        optimizer: one of ``STATE_OPTIMIZERS``.
+        block_size: elements per quantisation block (``"adamw8bit"`` only), > 0.
+
+    Returns:
+        Bytes of optimizer state (an int). Parameters in fp16/bf16 trained *without* fp32 master
+        weights would keep torch's state in their own dtype; this assumes fp32 state, as with fp32
+        parameters or mixed precision's fp32 master copy.
+
+    Raises:
+        ValueError: an unknown optimizer name (the message lists the known ones), a non-positive
+            ``block_size``, or a shape with negative or non-int dimensions.
+        TypeError: a shape that is not a sequence.
+
+    Example:
+        >>> predict_optimizer_state_bytes([(10, 10), (10,)], "adamw")
+        888
+        >>> predict_optimizer_state_bytes([(10, 10), (10,)], "adafactor")
+        128
+
+    Introduced in notebook 09 (fine-tuning memory).
+    """
+    if optimizer not in STATE_OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {STATE_OPTIMIZERS}, got {optimizer!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int (elements per block), got {block_size!r}")
+    if isinstance(shapes, torch.Tensor):
+        raise TypeError("shapes must be an iterable of shapes; wrap a single shape in a list")
+    total = 0
+    for shape in shapes:
+        dims = _shape_numel(shape)
+        numel = math.prod(dims)
+        if optimizer == "sgd_momentum":
+            total += 4 * numel
+        elif optimizer in ("adam", "adamw"):
+            total += 8 * numel + 4
+        elif optimizer == "adafactor":
+            if len(dims) > 1:
+                rows = math.prod(dims[:-1])  # row_var: shape[:-1] + (1,)
+                cols = math.prod(dims[:-2]) * dims[-1]  # col_var: shape[:-2] + (1, shape[-1])
+                total += 4 * (rows + cols) + 4
+            else:
+                total += 4 * numel + 4
+        elif optimizer == "adamw8bit":
+            total += 2 * numel + 2 * 4 * math.ceil(numel / block_size)
+    return total
