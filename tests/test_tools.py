@@ -136,12 +136,15 @@ def test_results_are_filed_under_the_device_slug_and_feed_the_readme(tmp_path):
     assert times["01_parameter_footprint"]["full"]["seconds"] == 20.0
 
     readme = tmp_path / "README.md"
-    readme.write_text(f"# Course\n\nintro\n\n{readme_results.BEGIN}\nold\n{readme_results.END}\n\n## After\nkept\n")
+    readme.write_text(f"# Course\n\nintro\n\n{readme_results.COURSE_BEGIN}\nold\n{readme_results.COURSE_END}\n\n"
+                      f"## Middle\nkept\n\n{readme_results.BEGIN}\nold\n{readme_results.END}\n\n## After\nkept\n")
     args = ["--readme", str(readme), "--results", str(results)]
     assert readme_results.main([*args, "--check"]) == 1, "a stale section fails the check"
     assert readme_results.main(args) == 0
     text = readme.read_text()
-    assert text.startswith("# Course\n\nintro\n\n") and text.endswith("## After\nkept\n"), "only the section changes"
+    assert text.startswith("# Course\n\nintro\n\n") and text.endswith("## After\nkept\n"), "only the sections change"
+    assert "\n## Middle\nkept\n" in text
+    assert "## Start here" in text and "| 00 | **[Measuring memory and time honestly]" in text
     assert "| 00 | peak memory of one AdamW training step, above the model | 200.5 MiB |" in text
     assert "| 01 | bytes per parameter, AdamW in fp32 (predicted 16) | 16 bytes/param |" in text
     assert "| 00_measuring_memory_and_time | 4 s / 12 s |" in text
@@ -174,6 +177,30 @@ def test_bad_inputs_are_refused_with_clear_messages(tmp_path, capsys):
     readme.write_text("# no markers\n")
     assert readme_results.main(["--readme", str(readme), "--results", str(tmp_path / "results")]) == 1
     assert "markers" in capsys.readouterr().err and readme.read_text() == "# no markers\n", "nothing is guessed"
+
+
+def test_course_section_is_read_from_the_notebooks(tmp_path):
+    """Titles, pitches and the GPU column come from each notebook's first cell; reading time from its size."""
+    notebook = {"cells": [{"cell_type": "markdown", "source": "# 42 · A topic: with a subtitle\n\nThe pitch,\nin two lines."
+                           "\n\n**Prerequisites**: none. GPU: recommended (tensor cores).", "metadata": {}},
+                          {"cell_type": "markdown", "source": " ".join(["word"] * 1000), "metadata": {}},
+                          {"cell_type": "code", "source": "x = 1\n\n" * 60, "metadata": {}}]}
+    path = tmp_path / "42_a_topic.ipynb"
+    path.write_text(json.dumps(notebook))
+    info = readme_results.notebook_info(path)
+    assert (info.number, info.title, info.pitch, info.gpu) == ("42", "A topic: with a subtitle", "The pitch, in two lines.",
+                                                              "recommended")
+    assert info.reading_minutes == 15          # 1,000 words at 200 a minute + 60 lines at 10 a minute = 11 -> 15
+    section = readme_results.render_course([info], [])
+    assert "| 42 | **[A topic: with a subtitle]" in section and "| recommended | 15 min | – / – |" in section
+    path.write_text(json.dumps({"cells": [{"cell_type": "markdown", "source": "no title", "metadata": {}}]}))
+    with pytest.raises(readme_results.ReadmeError, match="# NN · Title"):
+        readme_results.notebook_info(path)
+
+
+def test_readme_course_section_matches_the_notebooks():
+    """README.md's Start here and notebook table are what tools/readme_results.py makes of the notebooks."""
+    assert readme_results.main(["--check"]) == 0, "README.md is stale: run `python tools/readme_results.py`"
 
 
 def test_readme_section_matches_results(tmp_path):
