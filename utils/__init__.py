@@ -17,6 +17,7 @@ from .footprint import (BytesPerParameter, ModelStateFootprint, bytes_per_parame
                         predict_optimizer_state_bytes)
 from .grads import (GradientAudit, assert_all_parameters_have_gradients, audit_gradients, flat_gradients,
                     parameter_changes, snapshot_parameters)
+from .lowbit import AdamW8bit
 from .memory import (MemoryMeasurement, MemorySample, SavedTensors, measure_memory, tensor_bytes, to_mib,
                      track_saved_tensors)
 from .memory_by_category import CATEGORIES, CategoryPeaks, measure_memory_by_category
@@ -46,6 +47,7 @@ __all__ = [
     "max_trainable_parameters", "predict_mlp_activation_bytes", "predict_model_state", "predict_optimizer_state_bytes",
     "GradientAudit", "assert_all_parameters_have_gradients", "audit_gradients", "flat_gradients", "parameter_changes",
     "snapshot_parameters",
+    "AdamW8bit",
     "MemoryMeasurement", "MemorySample", "SavedTensors", "measure_memory", "tensor_bytes", "to_mib",
     "track_saved_tensors",
     "MLP", "SmallConvNet", "TinyTransformer", "TransformerBlock", "make_classification_data", "make_token_data",
