@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -123,11 +123,21 @@ class MemoryMeasurement:
     timeline: list[MemorySample] = field(default_factory=list)
     _phase: str = "region"
     _finished: bool = False
+    _sample_now: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def phase(self, name: str) -> None:
-        """Label the samples that follow with ``name`` (e.g. "backward" before ``loss.backward()``)."""
+        """Label the samples that follow with ``name`` (e.g. "backward" before ``loss.backward()``).
+
+        Inside a region measured by the CUDA allocator, the outgoing phase first gets a fresh sample of
+        ``memory_allocated``: that backend samples after each aten op, so without it the outgoing phase
+        would end on its last op's sample, with that op's temporaries still counted (a foreach optimizer
+        step ends with a parameter-sized temporary alive, freed only when ``step()`` returns). The tracker
+        sees every free as it happens and needs no extra sample.
+        """
         if not isinstance(name, str) or not name:
             raise ValueError(f"a phase name must be a non-empty string, got {name!r}")
+        if self._sample_now is not None:
+            self._sample_now()
         self._phase = name
 
     @property
@@ -334,15 +344,25 @@ class measure_memory:  # noqa: N801 - used as a context manager, reads like a fu
         budget_bytes: a memory budget in bytes (default None: none), so that code can run out of
             memory on purpose (notebook 13's batch-size search). With the tracker, an op whose
             new storage would take the followed bytes (the ``include`` baseline plus what the
-            region allocated) past it raises ``torch.OutOfMemoryError``, like a GPU would; with
-            the CUDA allocator it is ``torch.cuda.set_per_process_memory_fraction(budget / total)``
-            for the duration of the region (the allocator then raises the same error; the budget
-            there counts everything the process allocated on the device, and the fraction is reset
-            to 1.0 afterwards).
+            region allocated) past it raises ``torch.OutOfMemoryError``, like a GPU would. With
+            the CUDA allocator the region starts with ``torch.cuda.empty_cache()`` (cached free
+            blocks are reused without any check against the budget) and runs under
+            ``torch.cuda.set_per_process_memory_fraction(budget / total)``, reset to 1.0 afterwards;
+            the allocator then raises the same error when a new segment would take its *reserved*
+            bytes (everything the process holds on the device, its cache and 512-byte rounding
+            included) past the budget. So on CUDA the budget counts reserved bytes of the whole
+            process, on the CPU the followed tensors' exact bytes.
 
     Yields:
         A ``MemoryMeasurement``; its ``peak_bytes``, ``end_bytes`` and timeline are filled in when
         the block ends.
+
+    Raises:
+        ValueError: on entry, with the CUDA allocator, a budget larger than the card (the fraction
+            cannot pass 1.0, so the budget could not be what limits the region).
+        torch.OutOfMemoryError: on entry, with the CUDA allocator, when the memory the process
+            holds after emptying the cache already exceeds the budget; inside the region, when the
+            budget runs out.
 
     Example:
         >>> with measure_memory("cpu", phase="forward") as mem:
@@ -400,13 +420,14 @@ class measure_memory:  # noqa: N801 - used as a context manager, reads like a fu
         if self.backend == "cuda-allocator":
             torch.cuda.synchronize(self.device)
             if self.budget_bytes is not None:
-                total = torch.cuda.get_device_properties(self.device).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget_bytes / total), self.device)
+                self._set_cuda_budget(self.budget_bytes)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._baseline = torch.cuda.memory_allocated(self.device)
             self.measurement.baseline_bytes = self._baseline
             if self.keep_timeline:
                 self._mode = _AllocatorSamplerMode(recorder, self.device, self._baseline)
+                baseline, device = self._baseline, self.device
+                self.measurement._sample_now = lambda: recorder.sample(torch.cuda.memory_allocated(device) - baseline)
         else:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -423,6 +444,7 @@ class measure_memory:  # noqa: N801 - used as a context manager, reads like a fu
         if self._mode is not None:
             self._mode.__exit__(*exc_info)
         measurement = self.measurement
+        measurement._sample_now = None
         if self.backend == "cuda-allocator":
             torch.cuda.synchronize(self.device)
             if self.budget_bytes is not None:
@@ -440,6 +462,23 @@ class measure_memory:  # noqa: N801 - used as a context manager, reads like a fu
         if not self.keep_timeline:
             measurement.timeline = measurement.timeline[:1] + measurement.timeline[-1:]
         measurement._finished = True
+
+    def _set_cuda_budget(self, budget: int) -> None:
+        """Limit the process to ``budget`` bytes of the device (reserved), from an empty cache; say why not if it cannot."""
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        if budget > total:
+            raise ValueError(
+                f"budget_bytes={budget:,} ({to_mib(budget):,.0f} MiB) is more than {self.measurement.device} has "
+                f"({total:,} bytes, {to_mib(total):,.0f} MiB): the allocator's fraction stops at 1.0, so the card, "
+                f"not the budget, would limit the region. Choose a budget below the card's memory "
+                f"(utils.by_memory picks one per memory class).")
+        torch.cuda.empty_cache()   # free cached blocks would be reused without any check against the fraction
+        reserved = torch.cuda.memory_reserved(self.device)
+        if reserved > budget:
+            raise torch.OutOfMemoryError(
+                f"memory budget exceeded before the region started (cuda-allocator): after empty_cache() the process "
+                f"still reserves {reserved:,} bytes for tensors alive now, over the budget of {budget:,} bytes")
+        torch.cuda.set_per_process_memory_fraction(budget / total, self.device)
 
 
 @dataclass

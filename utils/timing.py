@@ -62,7 +62,8 @@ def time_fn(fn: Callable[[], object], device: torch.device | str, *, warmup: int
 
     Args:
         fn: a function of no arguments (wrap arguments with a lambda or functools.partial).
-        device: where the work runs; on CUDA each call is timed with CUDA events.
+        device: where the work runs; on CUDA each call is timed with CUDA events recorded on that
+            device's current stream (``"cuda:1"`` times cuda:1's work whichever device is current).
         warmup: untimed calls first (>= 0).
         repeats: timed calls (>= 1).
         max_seconds: stop repeating once the timed calls have taken this long (at least one call is
@@ -96,12 +97,13 @@ def time_fn(fn: Callable[[], object], device: torch.device | str, *, warmup: int
     samples: list[float] = []
     if on_cuda:
         torch.cuda.synchronize(device)
+    stream = torch.cuda.current_stream(device) if on_cuda else None  # the timed device's stream, not the current device's
     for _ in range(repeats):
         if on_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             fn()
-            end.record()
+            end.record(stream)
             end.synchronize()
             samples.append(start.elapsed_time(end))
         else:
