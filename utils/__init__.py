@@ -22,7 +22,6 @@ from .memory import (MemoryMeasurement, MemorySample, SavedTensors, measure_memo
                      track_saved_tensors)
 from .memory_by_category import CATEGORIES, CategoryPeaks, measure_memory_by_category
 from .models import MLP, SmallConvNet, TinyTransformer, TransformerBlock, make_classification_data, make_token_data
-from .optim import OptimizerInBackward, attach_optimizer_in_backward
 from .parallel import LaunchError, ZeroFootprint, predict_communication_bytes, predict_zero_bytes_per_rank
 from .plots import plot_memory_timeline, plot_stacked_bars, save_figure
 from .profiling import (BOTTLENECK_VERDICTS, DataWaitTimer, RandomDrawDataset, SyntheticImageDataset,
@@ -52,7 +51,6 @@ __all__ = [
     "track_saved_tensors",
     "MLP", "SmallConvNet", "TinyTransformer", "TransformerBlock", "make_classification_data", "make_token_data",
     "CATEGORIES", "CategoryPeaks", "measure_memory_by_category",
-    "OptimizerInBackward", "attach_optimizer_in_backward",
     "LaunchError", "ZeroFootprint", "predict_communication_bytes", "predict_zero_bytes_per_rank",
     "plot_memory_timeline", "plot_stacked_bars", "save_figure",
     "BOTTLENECK_VERDICTS", "DataWaitTimer", "RandomDrawDataset", "SyntheticImageDataset", "classify_bottleneck",

@@ -1,0 +1,129 @@
+"""Wrong answers to notebook 07's exercises: each must make its graded cell fail (tests/wrong_answers/README.md)."""
+
+WRONG = {
+    "exercise_1": {
+        "calls .item() but evaluates with grad on: every layer's activations are kept until the loss is gone": '''
+def evaluate_fixed(eval_model, eval_batches):
+    total_loss = 0.0
+    for batch, batch_targets in eval_batches:
+        total_loss += mse_loss(eval_model(batch), batch_targets).item()
+    return total_loss / len(eval_batches)
+''',
+        "model.eval() instead of no_grad: eval() does not stop autograd from recording": '''
+def evaluate_fixed(eval_model, eval_batches):
+    eval_model.eval()
+    total_loss = 0.0
+    for batch, batch_targets in eval_batches:
+        total_loss += mse_loss(eval_model(batch), batch_targets).item()
+    eval_model.train()
+    return total_loss / len(eval_batches)
+''',
+        "no graph, but returns a tensor, not a Python float": '''
+def evaluate_fixed(eval_model, eval_batches):
+    total_loss = 0.0
+    with torch.no_grad():
+        for batch, batch_targets in eval_batches:
+            total_loss += mse_loss(eval_model(batch), batch_targets)
+    return total_loss / len(eval_batches)
+''',
+        "returns the total, not the mean": '''
+def evaluate_fixed(eval_model, eval_batches):
+    total_loss = 0.0
+    with torch.inference_mode():
+        for batch, batch_targets in eval_batches:
+            total_loss += mse_loss(eval_model(batch), batch_targets).item()
+    return total_loss
+''',
+    },
+    "exercise_2": {
+        "in-place saves one activation per layer: the peak is the end of forward plus one more activation": '''
+def predict_forward_peak_bytes(batch, widths, inplace):
+    hidden = widths[1:-1]
+    end_of_forward = sum(hidden) + widths[-1]
+    return 4 * batch * (end_of_forward if inplace else end_of_forward + max(hidden))
+''',
+        "the uniform-width formula of section 3 with the widest layer as H": '''
+def predict_forward_peak_bytes(batch, widths, inplace):
+    H, L, C = max(widths[1:-1]), len(widths) - 2, widths[-1]
+    return 4 * batch * (L * H + C if inplace else H * (L + 1))
+''',
+        "forgets the output of the last Linear at the end of forward": '''
+def predict_forward_peak_bytes(batch, widths, inplace):
+    hidden = widths[1:-1]
+    if inplace:
+        candidates = [sum(hidden[:k + 1]) for k in range(len(hidden))]
+    else:
+        candidates = [sum(hidden[:k]) + 2 * hidden[k] for k in range(len(hidden))]
+    return 4 * batch * max(candidates)
+''',
+        "in-place changes nothing: the same peak either way": '''
+def predict_forward_peak_bytes(batch, widths, inplace):
+    hidden = widths[1:-1]
+    candidates = [sum(hidden[:k]) + 2 * hidden[k] for k in range(len(hidden))]
+    return 4 * batch * max(candidates + [sum(hidden) + widths[-1]])
+''',
+        "counts the input batch, which existed before the forward pass": '''
+def predict_forward_peak_bytes(batch, widths, inplace):
+    hidden = widths[1:-1]
+    end_of_forward = sum(hidden) + widths[-1]
+    if inplace:
+        candidates = [sum(hidden[:k + 1]) for k in range(len(hidden))]
+    else:
+        candidates = [sum(hidden[:k]) + 2 * hidden[k] for k in range(len(hidden))]
+    return 4 * batch * (widths[0] + max(candidates + [end_of_forward]))
+''',
+    },
+    "exercise_3": {
+        "steps in the hook but never frees the gradient": '''
+def attach_sgd_in_backward(sgd_model, lr, momentum):
+    sgd_optimizers = {p: torch.optim.SGD([p], lr=lr, momentum=momentum) for p in sgd_model.parameters()}
+
+    def sgd_step(param):
+        sgd_optimizers[param].step()
+
+    return [p.register_post_accumulate_grad_hook(sgd_step) for p in sgd_model.parameters()]
+''',
+        "zero_grad(set_to_none=False): a zeroed gradient still occupies its memory": '''
+def attach_sgd_in_backward(sgd_model, lr, momentum):
+    sgd_optimizers = {p: torch.optim.SGD([p], lr=lr, momentum=momentum) for p in sgd_model.parameters()}
+
+    def sgd_step_and_zero(param):
+        sgd_optimizers[param].step()
+        sgd_optimizers[param].zero_grad(set_to_none=False)
+
+    return [p.register_post_accumulate_grad_hook(sgd_step_and_zero) for p in sgd_model.parameters()]
+''',
+        "register_hook runs before the gradient is accumulated into .grad: the step finds no gradient": '''
+def attach_sgd_in_backward(sgd_model, lr, momentum):
+    handles = []
+    for p in sgd_model.parameters():
+        optimizer = torch.optim.SGD([p], lr=lr, momentum=momentum)
+
+        def early_step(grad, optimizer=optimizer):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        handles.append(p.register_hook(early_step))
+    return handles
+''',
+        "a fresh optimizer inside the hook at every step: the momentum buffer is lost": '''
+def attach_sgd_in_backward(sgd_model, lr, momentum):
+    def sgd_step_and_free(param):
+        optimizer = torch.optim.SGD([param], lr=lr, momentum=momentum)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return [p.register_post_accumulate_grad_hook(sgd_step_and_free) for p in sgd_model.parameters()]
+''',
+        "hooks only on the weight matrices: the biases are never updated": '''
+def attach_sgd_in_backward(sgd_model, lr, momentum):
+    sgd_optimizers = {p: torch.optim.SGD([p], lr=lr, momentum=momentum) for p in sgd_model.parameters()}
+
+    def sgd_step_and_free(param):
+        sgd_optimizers[param].step()
+        sgd_optimizers[param].zero_grad(set_to_none=True)
+
+    return [p.register_post_accumulate_grad_hook(sgd_step_and_free) for p in sgd_model.parameters() if p.dim() > 1]
+''',
+    },
+}
