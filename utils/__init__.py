@@ -4,8 +4,7 @@ Importing the package has no side effects (no seeding, no backend changes). The 
 ``import utils`` and call the helpers through it, e.g. ``utils.measure_memory(device)``.
 """
 
-from .activations import (BudgetUnavailable, activation_memory_budget, bf16_saved_activations, chunked_cross_entropy,
-                          has_activation_memory_budget)
+from .activations import chunked_cross_entropy
 from .capacity import (TECHNIQUES, BatchSearch, CapacityError, Checkpointed, Technique, TechniqueCapacity,
                        checkpoint_each, find_max_batch_size, largest_batches, make_train_step, predict_max_batch_size,
                        run_under_budget, what_to_try_first)
@@ -34,8 +33,7 @@ from .state import (AsyncCheckpointWriter, CheckpointError, PreemptionFlag, capt
 from .timing import Timing, speedup, time_fn
 
 __all__ = [
-    "BudgetUnavailable", "activation_memory_budget", "bf16_saved_activations", "chunked_cross_entropy",
-    "has_activation_memory_budget",
+    "chunked_cross_entropy",
     "TECHNIQUES", "BatchSearch", "CapacityError", "Checkpointed", "Technique", "TechniqueCapacity", "checkpoint_each",
     "find_max_batch_size", "largest_batches", "make_train_step", "predict_max_batch_size", "run_under_budget",
     "what_to_try_first",
