@@ -48,7 +48,11 @@ CHECK_BUDGET_S = {"00_measuring_memory_and_time": 30, "01_parameter_footprint": 
                   "11_distributed_ddp_zero_fsdp": 40,
                   # three one-block compiles on aot_eager_decomp_partition, no Inductor: a cold cache costs
                   # nothing (~15 s)
-                  "08_memory_budget_offloading_chunked_loss": 30}
+                  "08_memory_budget_offloading_chunked_loss": 30,
+                  # five budgeted width searches, each building and training a model per width it tries
+                  "09_fine_tuning_lora_and_optimizer_memory": 30,
+                  # three budgeted sequence-length searches and their probes, the naive attention's L x L (~12 s)
+                  "10_long_sequences_attention_memory": 30}
 NBVAL_EXPECTED = ROOT / "tests" / "nbval_expected.json"
 
 
@@ -242,6 +246,7 @@ EXPECTED_FIGURES = {
         "forum_bug_memory_ratio": lambda v, f: 0 < v < 1,
         "forum_bug_speedup": lambda v, f: v > 0,
         "every_block_memory_saving": lambda v, f: 0.2 < v < 1,
+        "every_block_activation_saving": lambda v, f: v > f["every_block_memory_saving"],
         "every_block_time_overhead": lambda v, f: v > -1,
         "predicted_time_overhead": lambda v, f: 0 < v < 1,
         "best_segments": lambda v, f: v >= 2,
@@ -257,6 +262,7 @@ EXPECTED_FIGURES = {
         "matmul_speedup_bf16": lambda v, f: v > 0,
         "matmul_speedup_fp16": lambda v, f: v > 0,
         "step_speedup_bf16": lambda v, f: v > 0,
+        "step_speedup_fp16": lambda v, f: v > 0,
         "bf16_final_loss_gap": lambda v, f: v < 0.05,
     },
     "05_torch_compile": {
@@ -358,6 +364,26 @@ EXPECTED_FIGURES = {
         "dcp_reshard_weight_difference": lambda v, f: v < 5e-4,
         "gpus_for_70b_fsdp": lambda v, f: v == 32,
     },
+    "09_fine_tuning_lora_and_optimizer_memory": {
+        "top_over_bottom_frozen_activations": lambda v, f: v > 1,
+        "lora_over_full_peak_smallest_batch": lambda v, f: 0 < v < f["lora_over_full_peak_largest_batch"],
+        "lora_over_full_peak_largest_batch": lambda v, f: 0 < v <= 1.05,
+        "lora_over_full_activations": lambda v, f: v > 0.9,              # LoRA keeps what full fine-tuning keeps
+        "merged_extra_inference_bytes": lambda v, f: v == 0,
+        "sgd_momentum_state_bytes_per_param": lambda v, f: v == 4,
+        "adamw_state_bytes_per_param": lambda v, f: 8 < v < 8.01,         # 8 plus the step counters
+        "adafactor_state_bytes_per_param": lambda v, f: 0 < v < 4,
+        "adamw8bit_state_bytes_per_param": lambda v, f: 2 < v < 2.1,      # 2 + 8 / 256 plus short last blocks
+        "mixed_adamw_model_state_bytes_per_param": lambda v, f: 16 < v < 16.01,
+        "adamw8bit_max_loss_gap_over_start": lambda v, f: 0 <= v < 0.05,
+        "lora_over_full_step_peak": lambda v, f: 0 < v < 1,
+        "checkpointing_over_lora_step_peak": lambda v, f: 0 < v < 1,
+        "checkpointing_over_lora_step_time": lambda v, f: v > 0,
+        "adamw8bit_over_adamw_full_step_time": lambda v, f: v > 0,
+        "lora_widest_over_full": lambda v, f: v > 1,
+        "lora_checkpointing_widest_over_full": lambda v, f: v >= f["lora_widest_over_full"],
+        "adamw8bit_widest_over_adamw_full": lambda v, f: v >= 1,
+    },
     "08_memory_budget_offloading_chunked_loss": {
         "budget0_saved_ratio": lambda v, f: 0 < v < 0.5,
         "budget0_backward_flops_ratio": lambda v, f: 1 < v <= f["budget0_predicted_max_flops_ratio"] * (1 + 1e-9),
@@ -369,6 +395,31 @@ EXPECTED_FIGURES = {
         "plain_loss_peak_bytes_per_token_per_vocab": lambda v, f: 12 <= v < 12.001,   # 12·N·V, a few scalars aside
         "chunked_peak_ratio_smallest_chunk": lambda v, f: 0 < v < 0.5,
         "chunked_step_time_ratio_smallest_chunk": lambda v, f: v > 0,
+    },
+    "10_long_sequences_attention_memory": {
+        "attention_saved_bytes_max_error": lambda v, f: v == 0,                 # predicted to the byte on the CPU
+        "attention_crossover_length": lambda v, f: abs(v - 4112 / 17) < 1e-9,   # B=1, H=4, D=16, fp32
+        "attention_step_ms_naive": lambda v, f: v > 0,
+        "attention_step_ms_math": lambda v, f: v > 0,
+        "attention_step_ms_flash": lambda v, f: v > 0,
+        "naive_over_fused_saved_bytes": lambda v, f: v > 1,
+        "online_softmax_max_error": lambda v, f: v < 1e-5,
+        "online_softmax_grad_max_error": lambda v, f: v < 1e-4,
+        "online_forward_peak_growth_2x_length": lambda v, f: v < 2.1,          # O(L)
+        "naive_forward_peak_growth_2x_length": lambda v, f: v > 3,             # O(L²)
+        "layer_prediction_max_error": lambda v, f: v == 0,
+        "layer_naive_over_fused": lambda v, f: v > 1,
+        "padding_fraction": lambda v, f: 0 < v < 1,
+        "packed_document_loss_max_difference": lambda v, f: v < 1e-5,
+        "packed_gradient_relative_difference": lambda v, f: v < 1e-5,
+        "padded_over_packed_saved_bytes": lambda v, f: v > 1,
+        "padded_over_packed_step_peak": lambda v, f: v > 0,
+        "padded_over_packed_step_time": lambda v, f: v > 0,
+        "no_mask_loss_relative_change": lambda v, f: v > 0,
+        "no_mask_gradient_relative_change": lambda v, f: v > 1e-3,
+        "longest_sequence_naive": lambda v, f: v >= 1 and v == int(v),
+        "longest_sequence_sdpa": lambda v, f: v > f["longest_sequence_naive"],
+        "longest_sequence_sdpa_checkpointed": lambda v, f: v >= f["longest_sequence_sdpa"],
     },
 }
 
