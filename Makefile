@@ -15,7 +15,7 @@ TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, os.cpu_coun
 .PHONY: help check test run lab student clean
 
 help:  ## list the targets
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 10
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 12
 
 # The venv is a file target: it is (re)built when requirements.txt or pyproject.toml change.
 $(INSTALLED): requirements.txt pyproject.toml
@@ -52,3 +52,8 @@ results: $(INSTALLED)  ## file make run's full-mode figures under results/<devic
 	-PYTORCH_INTRO_CHECK_MODE=1 PYTORCH_INTRO_BUILD_DIR=build/check $(PY) tools/run_notebooks.py
 	$(PY) tools/save_results.py --check-build build/check
 	$(PY) tools/readme_results.py
+
+.PHONY: gpu-wheels
+
+gpu-wheels: $(INSTALLED)  ## download into .whl/ what tools/gpu_reference.sh installs on a GPU machine without Jupyter
+	PYTHON=$(PY) tools/gpu_reference.sh --wheels

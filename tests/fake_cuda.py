@@ -186,7 +186,7 @@ class FakeCuda:
         for name in FAKED:
             real = getattr(torch.cuda, name, None)
             if real is None:
-                raise AttributeError(f"torch {torch.__version__} has no torch.cuda.{name}: the fake cannot stand in for it")
+                raise AttributeError(f"torch {torch.__version__} has no torch.cuda.{name}: nothing to stand in for")
             monkeypatch.setattr(torch.cuda, name, self._checked(name, real, getattr(self, f"_{name}")))
         monkeypatch.setattr(torch.cuda, "Event", self._event_class())
         return self

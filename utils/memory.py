@@ -464,7 +464,7 @@ class measure_memory:  # noqa: N801 - used as a context manager, reads like a fu
         measurement._finished = True
 
     def _set_cuda_budget(self, budget: int) -> None:
-        """Limit the process to ``budget`` bytes of the device (reserved), from an empty cache; say why not if it cannot."""
+        """Limit the process to ``budget`` reserved bytes of the device, from an empty cache; say why if it cannot."""
         total = torch.cuda.get_device_properties(self.device).total_memory
         if budget > total:
             raise ValueError(

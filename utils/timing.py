@@ -97,7 +97,7 @@ def time_fn(fn: Callable[[], object], device: torch.device | str, *, warmup: int
     samples: list[float] = []
     if on_cuda:
         torch.cuda.synchronize(device)
-    stream = torch.cuda.current_stream(device) if on_cuda else None  # the timed device's stream, not the current device's
+    stream = torch.cuda.current_stream(device) if on_cuda else None  # the timed device's, not the current one's
     for _ in range(repeats):
         if on_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -1,0 +1,166 @@
+"""tools/gpu_reference.sh on a CPU: what its dry run runs, files and packs, within what a device call returns.
+
+The notebooks' execution is stubbed (``GPU_REFERENCE_RUNNER``) so that this takes seconds: a small script writes
+what ``tools/run_notebooks.py`` leaves for a notebook in full mode (the executed copy, the recorded figures, a
+saved figure, its line in ``runtimes.json`` as ``record_runtimes`` writes it, without importing torch) and then
+passes, fails, hangs past its time limit with a "kernel" in a session of its own, or crashes, as its number says. The real
+runner on a real notebook is ``tools/gpu_reference.sh --dry-run 00`` (check mode, about as long as the notebook).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tools" / "gpu_reference.sh"
+STUB = r'''
+import json, os, subprocess, sys, time
+from pathlib import Path
+
+stem, build = sys.argv[1], Path(os.environ["PYTORCH_INTRO_BUILD_DIR"])
+behaviour = {"00": "ok", "01": "fail", "02": "hang", "03": "crash"}[stem[:2]]
+executed = build / "executed" / f"{stem}.ipynb"
+executed.parent.mkdir(parents=True, exist_ok=True)
+error = {"output_type": "error", "ename": "AssertionError", "evalue": "measured 3 != predicted 2", "traceback": []}
+cells = [{"cell_type": "code", "execution_count": 1, "metadata": {}, "source": "x = 1",
+          "outputs": [error] if behaviour == "fail" else []},
+         {"cell_type": "code", "execution_count": None, "metadata": {}, "source": "y = 2", "outputs": []}]
+payload = os.urandom(int(os.environ.get("STUB_EXECUTED_BYTES", "0"))).hex()
+executed.write_text(json.dumps({"cells": cells, "metadata": {"payload": payload}, "nbformat": 4, "nbformat_minor": 5}))
+if behaviour == "hang":
+    runtime = os.environ["JUPYTER_RUNTIME_DIR"]
+    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", f"{runtime}/kernel-1.json"],
+                              start_new_session=True)
+    Path(os.environ["KERNEL_PID_FILE"]).write_text(str(kernel.pid))
+    time.sleep(120)
+if behaviour == "crash":
+    sys.exit(7)
+if behaviour == "ok":
+    (build / "results").mkdir(parents=True, exist_ok=True)
+    (build / "results" / f"{stem}.json").write_text(json.dumps(
+        {"notebook": stem, "check_mode": False, "device": "stub", "figures": [{"name": "x", "value": 1.0, "unit": "B"}]}))
+    (build / "figures").mkdir(parents=True, exist_ok=True)
+    (build / "figures" / f"{stem[:2]}_stub.png").write_bytes(b"\x89PNG stub")
+# what tools/run_notebooks.py's record_runtimes writes, for the device the script described (no torch import here)
+device = json.loads((build.parent / "environment.json").read_text())
+runtimes = json.loads((build / "runtimes.json").read_text()) if (build / "runtimes.json").exists() else {"modes": {}}
+runtimes["modes"].setdefault("full", {})[stem] = {"seconds": 0.5, "ok": behaviour == "ok", "cpu_seconds": None,
+                                                  "load_average": None, "device": device["name"],
+                                                  "device_slug": device["slug"], "finished": "2026-01-01T00:00:00+00:00"}
+runtimes["device"] = device
+(build / "runtimes.json").write_text(json.dumps(runtimes))
+sys.exit(0 if behaviour == "ok" else 1)
+'''
+FILE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def _run(tmp_path: Path, *args: str, **variables: str) -> subprocess.CompletedProcess:
+    stub = tmp_path / "stub_runner.py"
+    stub.write_text(STUB)
+    env = {**os.environ, "REPO_ROOT": str(ROOT), "PYTHON": sys.executable,
+           "GPU_REFERENCE_RUNNER": f"{sys.executable} {stub}", "GPU_REFERENCE_BUILD": str(tmp_path / "build"),
+           "GPU_REFERENCE_RESULTS": str(tmp_path / "results"), "GPU_REFERENCE_RUNS": str(tmp_path / "runs"),
+           "OUT": str(tmp_path / "out"), "KERNEL_PID_FILE": str(tmp_path / "kernel.pid"),
+           "GPU_REFERENCE_PYTEST_ARGS": "--version", **variables}
+    return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat")
+    return not (state.exists() and state.read_text().split()[2] == "Z")
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """One dry run of four stubbed notebooks: one passes, one fails, one hangs past its limit, one crashes."""
+    tmp_path = tmp_path_factory.mktemp("gpu_reference")
+    (tmp_path / "results" / "some-other-device").mkdir(parents=True)
+    done = _run(tmp_path, "--dry-run", "00", "01", "02", "03", GPU_REFERENCE_NOTEBOOK_TIMEOUT_S="3",
+                GPU_REFERENCE_PART_MIB="1", STUB_EXECUTED_BYTES=str(700_000))
+    return tmp_path, done
+
+
+def test_dry_run_reports_each_notebook_and_exits_for_the_crash_only(dry_run):
+    tmp_path, done = dry_run
+    assert done.returncode == 4, done.stdout + done.stderr      # the runner crashed on 03: infrastructure
+    status = json.loads((tmp_path / "build" / "status.json").read_text())
+    got = {row["notebook"][:2]: row["status"] for row in status["notebooks"]}
+    assert got == {"00": "ok", "01": "FAILED", "02": "TIMEOUT", "03": "CRASHED"}
+    details = {row["notebook"][:2]: row["detail"] for row in status["notebooks"]}
+    assert details["01"] == "cell 0: AssertionError: measured 3 != predicted 2"
+    assert details["02"] == "last cell run: 0" and details["03"] == "last cell run: 0"
+    assert status["unit_tests"]["status"] == "passed" and status["mode"] == "check (dry run)"
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert summary in done.stdout and len(summary.splitlines()) <= 30
+    assert "FAILED" in summary and "TIMEOUT" in summary and "measured 3 != predicted 2" in summary
+
+
+def test_a_notebook_past_its_limit_leaves_no_kernel_behind(dry_run):
+    tmp_path, _ = dry_run
+    pid = int((tmp_path / "kernel.pid").read_text())
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "the hung notebook's kernel survived its time limit"
+
+
+def test_the_pack_fits_a_device_call_and_holds_the_filed_run(dry_run):
+    tmp_path, _ = dry_run
+    out = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert 2 <= len(out) <= 8 and all(FILE_NAME.match(name) for name in out), out
+    assert all((tmp_path / "out" / name).stat().st_size <= 16 * 2**20 for name in out)
+    assert any(name.startswith("executed.tar.gz.part-") for name in out), "700 kB of hex in 1 MiB parts: split"
+    slug = json.loads((tmp_path / "build" / "environment.json").read_text())["slug"]
+    with tarfile.open(tmp_path / "out" / "reference.tar.gz") as pack:
+        members = set(pack.getnames())
+    assert {"summary.txt", "status.json", "environment.json", f"filed/{slug}/results.json",
+            f"filed/{slug}/figures/00_stub.png", f"filed/{slug}/reference_run.json", f"logs/{_stem('01')}.log"} <= members
+    assert not any("some-other-device" in name for name in members), "only this device's folder is packed"
+    filed = json.loads((tmp_path / "build" / "filed" / slug / "results.json").read_text())
+    assert [entry["notebook"][:2] for entry in filed] == ["00"], "only the notebook that passed is filed"
+
+
+def test_unpack_files_the_run_under_results(dry_run):
+    tmp_path, _ = dry_run
+    done = _run(tmp_path, "--unpack", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    slug = json.loads((tmp_path / "build" / "environment.json").read_text())["slug"]
+    assert (tmp_path / "results" / slug / "figures" / "00_stub.png").exists()
+    assert (tmp_path / "results" / slug / "reference_run.json").exists()
+    assert (tmp_path / "runs" / slug / "run" / "executed" / f"{_stem('00')}.ipynb").exists()   # parts rejoined
+    assert (tmp_path / "results" / "some-other-device").is_dir()
+
+
+def test_out_of_time_notebooks_are_listed_not_run(tmp_path):
+    done = _run(tmp_path, "--dry-run", "--no-tests", "00", "01", GPU_REFERENCE_BUDGET_S="10")
+    assert done.returncode == 0, done.stdout + done.stderr
+    status = json.loads((tmp_path / "build" / "status.json").read_text())
+    assert [row["status"] for row in status["notebooks"]] == ["not run", "not run"]
+    assert status["unit_tests"] is None and "nothing" in status["filed"]["note"]
+
+
+def test_bad_arguments_are_infrastructure_failures_and_foreign_files_stay(tmp_path):
+    assert _run(tmp_path, "--dry-run", "99").returncode == 2
+    assert _run(tmp_path, "--frobnicate").returncode == 2
+    assert _run(tmp_path, "--unpack", str(tmp_path)).returncode == 2
+    (tmp_path / "build").mkdir(exist_ok=True)
+    (tmp_path / "build" / "mine.txt").write_text("a reader's file")
+    refused = _run(tmp_path, "--dry-run", "00")
+    assert refused.returncode == 2 and (tmp_path / "build" / "mine.txt").exists()
+
+
+def _stem(number: str) -> str:
+    return next(p.stem for p in (ROOT / "notebooks").glob(f"{number}_*.ipynb"))

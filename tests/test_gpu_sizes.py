@@ -1,0 +1,351 @@
+"""Every notebook's GPU sizes fit the reader's card: 8, 16, 24, 40 and 80 GB classes, at the notebook's peak.
+
+How it works, without a GPU:
+
+1. Each notebook's ``parameters`` cell runs in full mode with ``torch.cuda`` faked (``tests/fake_cuda.py``)
+   to describe the *smallest* card of one memory class (``utils.MEMORY_CLASSES_GB``: a card gets class G
+   from ``0.9 * G * 10**9`` bytes on, so that card is the tightest one that receives G's sizes), with that
+   class's usual compute capability (a T4's 7.5 for 16 GB). ``utils.pick_device()`` then answers ``cuda``
+   and ``utils.by_memory`` picks the class's sizes, exactly as on such a card.
+2. The notebook's prediction function below turns those sizes into bytes with ``utils.footprint``'s formulas,
+   on models built on the ``meta`` device (no memory): an upper bound of what the notebook keeps on the GPU
+   at once, its parts named, each documented from what the notebook's cells keep alive.
+3. The bound, plus 10 % for the caching allocator's rounding and fragmentation, must fit in the card less
+   1 GiB for each process's CUDA context and cuBLAS workspaces.
+
+These are predictions, not measurements: a GPU run (``tools/gpu_reference.sh``) is what confirms them. A
+notebook without a prediction yet is skipped with a reason that says so (its sizes are not by memory class
+yet, or the rewrite is in progress).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+import utils
+from fake_cuda import FakeCuda
+from tools.nbtools import list_notebooks
+
+GIB = 2**30
+CONTEXT_BYTES = GIB           # per process: the CUDA context, cuBLAS/cuDNN workspaces, what the allocator keeps
+FRAGMENTATION = 1.10          # the caching allocator's 512-byte rounding, segment slack and fragmentation
+# the usual compute capability of each class's cards: an 8 GB laptop RTX 3070, a T4, an RTX 4090, an A100, an H100
+CAPABILITY = {8: (8, 6), 16: (7, 5), 24: (8, 9), 40: (8, 0), 80: (9, 0)}
+
+
+def smallest_card_bytes(memory_class_gb: int) -> int:
+    """The least total memory ``utils.memory_class_gb`` puts in this class (the tightest card that gets its sizes)."""
+    return math.ceil(0.9 * memory_class_gb * 10**9)
+
+
+def parameters_source(notebook: Path) -> str:
+    """The source of the notebook's ``parameters`` cell."""
+    cells = json.loads(notebook.read_text())["cells"]
+    cell = next(c for c in cells if "parameters" in c.get("metadata", {}).get("tags", []))
+    return "".join(cell["source"])
+
+
+def gpu_parameters(notebook: Path, memory_class_gb: int, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """The notebook's full-mode settings on the smallest card of a memory class (see the module's docstring)."""
+    source = parameters_source(notebook)
+    monkeypatch.setenv(utils.CHECK_MODE_VARIABLE, "0")
+    exec(compile(source, f"{notebook.stem}:parameters", "exec"), {})   # imports what the cell needs, on the CPU
+    with monkeypatch.context() as patch:
+        FakeCuda(total_memory=smallest_card_bytes(memory_class_gb), capability=CAPABILITY[memory_class_gb],
+                 name=f"smallest {memory_class_gb} GB card").install(patch)
+        namespace: dict = {}
+        exec(compile(source, f"{notebook.stem}:parameters", "exec"), namespace)
+    assert namespace["DEVICE"].type == "cuda", "the parameters cell must take its device from utils.pick_device()"
+    return namespace
+
+
+def _meta(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """A model built on the meta device: its shapes and parameter count, no memory."""
+    with torch.device("meta"):
+        return build()
+
+
+def _mlp(p: dict, in_features: str = "IN_FEATURES", hidden: str = "HIDDEN_FEATURES", out: int | None = None,
+         layers: str = "NUM_HIDDEN_LAYERS") -> utils.MLP:
+    return _meta(lambda: utils.MLP(p[in_features], p[hidden], out or p.get("NUM_CLASSES", 10), p[layers]))
+
+
+def _state(model: torch.nn.Module, optimizer: str = "adamw") -> int:
+    """Weights, gradients and optimizer state in fp32 (16 B per parameter with AdamW, 8 with plain SGD)."""
+    return utils.predict_model_state(model, optimizer).total_bytes
+
+
+def _weights(model: torch.nn.Module) -> int:
+    return 4 * utils.count_parameters(model)
+
+
+def _activations(model: utils.MLP, batch: int) -> int:
+    """The MLP's saved activations at ``batch`` rows and, in backward, their gradients as large again."""
+    return 2 * utils.predict_mlp_activation_bytes(model, batch)
+
+
+def _rows(p: dict, rows: int, in_features: str = "IN_FEATURES") -> int:
+    """A batch of fp32 features (rows, in_features) and int64 labels (rows,)."""
+    return rows * (4 * p[in_features] + 8)
+
+
+def predict_00(p: dict) -> dict[str, int]:
+    """00 measuring: one MLP trained with AdamW (the recipe), then a second one built in its place.
+
+    - the recipe's model state: weights, gradients and AdamW's two moments (16 B per parameter);
+    - AdamW's default foreach step on CUDA makes one parameter-sized temporary (``exp_avg_sq.sqrt()``);
+    - the second MLP (section "one step, phase by phase") is built while the first optimizer still holds the
+      first model's weights and moments: one more copy of the weights;
+    - the 1 GiB tensor of the caching-allocator cell;
+    - ``NUM_STEPS`` batches made up front; the activations and their gradients in backward;
+    - the 1024 x 1024 tensor of the views-and-copies table and one copy of it.
+    """
+    model = _mlp(p)
+    return {
+        "model state (16 B/parameter)": _state(model),
+        "foreach AdamW temporary": _weights(model),
+        "second MLP, built before the first optimizer goes": _weights(model),
+        "the 1 GiB caching-allocator tensor": GIB,
+        "batches": p["NUM_STEPS"] * _rows(p, p["BATCH_SIZE"]),
+        "activations and their gradients": _activations(model, p["BATCH_SIZE"]),
+        "the views-and-copies tensor and a copy": 2 * 4 * 1024 * 1024,
+    }
+
+
+def predict_01(p: dict) -> dict[str, int]:
+    """01 footprint (its parameters cell: 16 N + 2 x activations at the largest batch).
+
+    - the MLP's state with AdamW (16 B per parameter) and one more copy of its weights (a model rebuilt before
+      the last one is dropped);
+    - section 7's largest batch of ``BATCH_SIZES``: the inputs, the activations and their gradients.
+    """
+    model, batch = _mlp(p), max(p["BATCH_SIZES"])
+    return {
+        "model state (16 B/parameter)": _state(model),
+        "a second copy of the weights": _weights(model),
+        "the largest batch": _rows(p, batch),
+        "activations and their gradients at the largest batch": _activations(model, batch),
+    }
+
+
+def predict_02(p: dict) -> dict[str, int]:
+    """02 accumulation (its parameters cell: 2 x the activations of the whole batch, plus the small model).
+
+    - the MLP's state with AdamW and the foreach step's temporary (20 B per parameter);
+    - the whole ``EFFECTIVE_BATCH`` on the device, and its activations and their gradients in one micro-batch
+      (the sweep's first point).
+    """
+    model, batch = _mlp(p), p["EFFECTIVE_BATCH"]
+    return {
+        "model state and foreach temporary": _state(model) + _weights(model),
+        "the effective batch": _rows(p, batch),
+        "activations and their gradients, one micro-batch": _activations(model, batch),
+    }
+
+
+def predict_03(p: dict) -> dict[str, int]:
+    """03 checkpointing (its parameters cell: about 17 (B, T, C) fp32 tensors kept per block, no T x T matrix).
+
+    - the recipe's blocks with AdamW and its foreach temporary (20 B per parameter), and the second model of the
+      measurements (the blocks and a head, trained with SGD: weights and gradients, 8 B per parameter);
+    - activations without checkpointing: ``NUM_BLOCKS x 17 x 4·B·T·C`` bytes, and two (B, T, C) gradients in flight;
+    - the recipe's ``TRAIN_STEPS`` (input, target) batches and the measurements' inputs and targets.
+    """
+    blocks = _meta(lambda: torch.nn.Sequential(*[utils.TransformerBlock(p["D_MODEL"], p["NUM_HEADS"])
+                                                 for _ in range(p["NUM_BLOCKS"])], torch.nn.Linear(p["D_MODEL"], p["D_MODEL"])))
+    tensor = 4 * p["BATCH_SIZE"] * p["SEQ_LEN"] * p["D_MODEL"]    # one (B, T, C) fp32 tensor
+    return {
+        "recipe blocks with AdamW and foreach temporary": _state(blocks) + _weights(blocks),
+        "second model with SGD (weights and gradients)": _state(blocks, "sgd"),
+        "activations without checkpointing": p["NUM_BLOCKS"] * 17 * tensor,
+        "activation gradients in flight": 2 * tensor,
+        "batches": (2 * p["TRAIN_STEPS"] + 2) * tensor,
+    }
+
+
+def predict_04(p: dict) -> dict[str, int]:
+    """04 mixed precision (its parameters cell: an fp32 backward, 2 x 6 layers x 4·B·H + 8·(5·H²) bytes).
+
+    - the measured MLP's weights, gradients and an AdamW state (16 B per parameter, more than the notebook keeps)
+      and its 16-bit weight copies under autocast (2 B per parameter);
+    - its inputs, activations and their gradients in fp32;
+    - the speed test's ``MATMUL_SIZE`` square matmul: two inputs and the output in fp32;
+    - the trainings' small MLP (``TRAIN_HIDDEN`` wide) with AdamW at ``TRAIN_BATCH_SIZE`` rows.
+    """
+    model = _mlp(p, out=1)
+    small = _meta(lambda: utils.MLP(p["IN_FEATURES"], p["TRAIN_HIDDEN"], 10, 2))
+    return {
+        "measured MLP: state and 16-bit copies": _state(model) + _weights(model) // 2,
+        "inputs, activations and their gradients": _rows(p, p["BATCH_SIZE"]) + _activations(model, p["BATCH_SIZE"]),
+        "the speed test's matmul": 3 * 4 * p["MATMUL_SIZE"] ** 2,
+        "the trainings' small MLP": _state(small) + _rows(p, p["TRAIN_BATCH_SIZE"])
+                                    + _activations(small, p["TRAIN_BATCH_SIZE"]),
+    }
+
+
+def predict_05(p: dict) -> dict[str, int]:
+    """05 compile (its parameters cell: two MLPs with AdamW state, and section 6's large elementwise tensors).
+
+    - the eager and the compiled MLP, each with AdamW (16 B per parameter), and a foreach step's temporary;
+    - both models' activations and their gradients at ``BATCH_SIZE`` rows, and the batch;
+    - six ``ELEMENTWISE_SHAPE`` fp32 tensors: the chain's input and output, and the gradient section's input,
+      output and their gradients.
+    """
+    model = _mlp(p)
+    elementwise = 4 * math.prod(p["ELEMENTWISE_SHAPE"])
+    return {
+        "two MLPs with AdamW and a foreach temporary": 2 * _state(model) + _weights(model),
+        "both models' activations and their gradients": 2 * _activations(model, p["BATCH_SIZE"]),
+        "the batch": _rows(p, p["BATCH_SIZE"]),
+        "six elementwise tensors": 6 * elementwise,
+    }
+
+
+def predict_06(p: dict) -> dict[str, int]:
+    """06 profiling (its parameters cell: about 2 GB on every card).
+
+    - the MLP on flattened crops (``3·CROP_SIZE²`` inputs, two hidden layers) with SGD: weights and gradients;
+    - section 6's ``LARGE_BATCH`` crops, their activations and gradients;
+    - the peak-FLOP/s matmul (two ``MATMUL_SIZE`` squares and the product), the bandwidth copy's two
+      ``COPY_MIB`` buffers, and the overlap cell's 4096 x 4096 weight and its product.
+    """
+    in_features = 3 * p["CROP_SIZE"] ** 2
+    model = _meta(lambda: utils.MLP(in_features, p["HIDDEN_FEATURES"], 10, 2))
+    batch = p["LARGE_BATCH"]
+    return {
+        "MLP with SGD (weights and gradients)": _state(model, "sgd"),
+        "large batch: crops, activations and their gradients": batch * 4 * in_features + _activations(model, batch),
+        "the peak-FLOP/s matmul": 3 * 4 * p["MATMUL_SIZE"] ** 2,
+        "the bandwidth copy's buffers": 2 * p["COPY_MIB"] * 2**20,
+        "the overlap cell's weight and product": 2 * 4 * 4096**2,
+    }
+
+
+def predict_07(p: dict) -> dict[str, int]:
+    """07 what frees memory: four MLPs of the same size that all stay alive, and a second process.
+
+    - section 1's normal model (fused AdamW) and its hooked twin (one fused AdamW per parameter), section 2's
+      model (trained with AdamW in section 5) and section 6's category model with AdamW: none is freed before
+      the notebook ends, so four copies of weights, gradients and moments (16 B per parameter each);
+    - one parameter-sized temporary of a foreach AdamW step (sections 5 and 6 use the default);
+    - batches: ``OPTIMIZER_STEPS + 1`` of them, plus section 2's inputs and targets; activations and their
+      gradients in backward, and the leaking evaluation loop's ``LEAK_STEPS`` graphs at once;
+    - the fragmentation runs: a second process on the same GPU while the kernel holds the above, training
+      ``Linear(w, 4w), ReLU, Linear(4w, w)`` with ``w = HIDDEN_FEATURES // 4`` and AdamW at batches up to 4096,
+      with a CUDA context of its own.
+    """
+    model = _mlp(p)
+    width = p["HIDDEN_FEATURES"] // 4
+    fragmentation_parameters = 2 * (4 * width * width) + 5 * width
+    fragmentation_activations = 4096 * 4 * (4 * width + 4 * width + width)   # the hidden pre-/post-ReLU and output
+    return {
+        "four MLPs with AdamW state (16 B/parameter each)": 4 * _state(model),
+        "foreach AdamW temporary": _weights(model),
+        "batches": (p["OPTIMIZER_STEPS"] + 2) * _rows(p, p["BATCH_SIZE"]),
+        "activations and their gradients": _activations(model, p["BATCH_SIZE"]),
+        "the leaking evaluation loop's graphs": p["LEAK_STEPS"] * utils.predict_mlp_activation_bytes(
+            model, p["BATCH_SIZE"]),
+        "fragmentation process: model state": 16 * fragmentation_parameters,
+        "fragmentation process: activations and gradients at batch 4096": 2 * fragmentation_activations,
+        "fragmentation process: its CUDA context": CONTEXT_BYTES,
+    }
+
+
+def predict_08(p: dict) -> dict[str, int]:
+    """08 past checkpointing: its three sections' peaks added up, as if none were freed (their parameters cell).
+
+    - section 2's language model: 68 bytes of activations per token per block per unit of width, ``12·B·T·V``
+      for its loss, and 24 B per parameter (the model with gradients, a copy with AdamW);
+    - section 3's GELU MLP: ``16·B·W`` of saved activations and 16 B per parameter (AdamW);
+    - section 4's LM head: ``12·N·V`` for the plain loss at the largest vocabulary, and the head's weight and
+      its gradient (``V·d`` each, in 16 bits).
+    """
+    model = _meta(lambda: utils.TinyTransformer(p["VOCAB"], p["D_MODEL"], p["NUM_HEADS"], p["NUM_BLOCKS"],
+                                                max_seq_len=p["SEQ_LEN"]))
+    tokens = p["BATCH_SIZE"] * p["SEQ_LEN"]
+    width = p["HOOK_WIDTH"]
+    mlp_parameters = 2 * (width * width + width) + 10 * width + 10
+    vocab = max(p["VOCAB_SIZES"])
+    return {
+        "section 2: activations": 68 * tokens * p["NUM_BLOCKS"] * p["D_MODEL"],
+        "section 2: loss": 12 * tokens * p["VOCAB"],
+        "section 2: model with gradients and a copy with AdamW": 24 * utils.count_parameters(model),
+        "section 3: saved activations": 16 * p["HOOK_BATCH"] * width,
+        "section 3: MLP with AdamW": 16 * mlp_parameters,
+        "section 4: plain loss at the largest vocabulary": 12 * p["LOSS_TOKENS"] * vocab,
+        "section 4: the head's weight and gradient in 16 bits": 2 * 2 * vocab * p["LOSS_D_MODEL"],
+    }
+
+
+def predict_13(p: dict) -> dict[str, int]:
+    """13 capstone (its parameters cell: the budget plus about 0.5 GiB).
+
+    Every run is sized by a search under ``BUDGET_MIB`` (or the conv model's ``CONV_BUDGET_MIB``), a per-process
+    limit on the caching allocator's reserved bytes; outside the budget: the MFU's peak matmul (0.4 GiB).
+    """
+    return {
+        "the larger search budget (reserved bytes, cache included)": max(p["BUDGET_MIB"], p["CONV_BUDGET_MIB"]) * 2**20,
+        "outside the budget: the MFU's matmul and what a run keeps": GIB // 2,
+    }
+
+
+PREDICTIONS: dict[str, Callable[[dict], dict[str, int]]] = {
+    "00_measuring_memory_and_time": predict_00,
+    "01_parameter_footprint": predict_01,
+    "02_gradient_accumulation": predict_02,
+    "03_activation_checkpointing": predict_03,
+    "04_mixed_precision": predict_04,
+    "05_torch_compile": predict_05,
+    "06_profiling_where_the_time_goes": predict_06,
+    "07_what_frees_memory": predict_07,
+    "08_memory_budget_offloading_chunked_loss": predict_08,
+    "13_capstone_fit_then_fast": predict_13,
+}
+NOTEBOOKS = {path.stem: path for path in list_notebooks()}
+
+
+@pytest.mark.parametrize("memory_class_gb", utils.MEMORY_CLASSES_GB)
+@pytest.mark.parametrize("stem", sorted(NOTEBOOKS))
+def test_gpu_sizes_fit_the_smallest_card_of_each_class(stem, memory_class_gb, monkeypatch):
+    if stem not in PREDICTIONS:
+        uses = "utils.by_memory" in parameters_source(NOTEBOOKS[stem])
+        pytest.skip(f"{stem}: pending, no size prediction in tests/test_gpu_sizes.py yet "
+                    f"({'its parameters cell uses utils.by_memory' if uses else 'its GPU sizes are not by memory class yet'})")
+    settings = gpu_parameters(NOTEBOOKS[stem], memory_class_gb, monkeypatch)
+    parts = PREDICTIONS[stem](settings)
+    card = smallest_card_bytes(memory_class_gb)
+    usable = card - CONTEXT_BYTES
+    needed = FRAGMENTATION * sum(parts.values())
+    breakdown = "\n".join(f"  {name}: {value / 10**9:.3f} GB" for name, value in parts.items())
+    assert needed <= usable, (f"{stem} on a {memory_class_gb} GB-class card ({card / 10**9:.2f} GB): predicted peak "
+                              f"{needed / 10**9:.2f} GB with {FRAGMENTATION - 1:.0%} for fragmentation, over the "
+                              f"{usable / 10**9:.2f} GB left after the CUDA context:\n{breakdown}")
+
+
+@pytest.mark.parametrize("stem", sorted(PREDICTIONS))
+def test_predicted_notebooks_take_their_sizes_from_the_card(stem, monkeypatch):
+    """A notebook with a prediction sizes itself by memory class: its settings are not the CPU's, and grow with the card."""
+    assert "utils.by_memory" in parameters_source(NOTEBOOKS[stem])
+    peaks = [sum(PREDICTIONS[stem](gpu_parameters(NOTEBOOKS[stem], gb, monkeypatch)).values())
+             for gb in utils.MEMORY_CLASSES_GB]
+    assert peaks == sorted(peaks), f"{stem}: a larger card should never get a smaller configuration: {peaks}"
+
+
+def test_the_parameters_cell_sees_each_class(monkeypatch, tmp_path):
+    """The mechanism itself, on a made-up notebook: each class gets its own entry, the CPU its own."""
+    source = ("import utils\nCHECK_MODE = utils.check_mode()\nDEVICE = utils.pick_device()\n"
+              "WIDTH = 8 if CHECK_MODE else utils.by_memory(DEVICE, cpu=1, gpu={8: 2, 16: 3, 80: 5})\n"
+              "DTYPE = utils.autocast_dtype(DEVICE)\n")
+    notebook = tmp_path / "99_made_up.ipynb"
+    notebook.write_text(json.dumps({"cells": [{"cell_type": "code", "metadata": {"tags": ["parameters"]},
+                                               "source": [source]}]}))
+    seen = {gb: gpu_parameters(notebook, gb, monkeypatch) for gb in utils.MEMORY_CLASSES_GB}
+    assert {gb: s["WIDTH"] for gb, s in seen.items()} == {8: 2, 16: 3, 24: 3, 40: 3, 80: 5}
+    assert seen[16]["DTYPE"] == torch.float16 and seen[80]["DTYPE"] == torch.bfloat16   # a T4 has no native bf16
+    assert torch.cuda.is_available.__module__ == "torch.cuda"                             # the fake is gone again
