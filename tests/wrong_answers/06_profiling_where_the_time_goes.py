@@ -58,25 +58,6 @@ def slowest_part(prof, names):
     totals = {entry.key: entry.self_cpu_time_total for entry in prof.key_averages() if entry.key in names}
     return max(totals, key=totals.get)
 ''',
-        "takes the slowest single call across the whole run, warm-up included, with a stopwatch instead of the profile": '''
-def profile_parts(parts, active_steps):
-    global stopwatch_ms
-    stopwatch_ms = {name: 0.0 for name in parts}
-    part_schedule = schedule(wait=0, warmup=1, active=active_steps, repeat=1)
-    with profile(activities=[ProfilerActivity.CPU], schedule=part_schedule) as part_prof:
-        for _ in range(1 + active_steps):
-            for name, part in parts.items():
-                started = time.perf_counter()
-                with record_function(name):
-                    part()
-                stopwatch_ms[name] = max(stopwatch_ms[name], (time.perf_counter() - started) * 1e3)
-            part_prof.step()
-    return part_prof
-
-
-def slowest_part(prof, names):
-    return max(names, key=stopwatch_ms.get)
-''',
     },
     "exercise_2": {
         "ignores the frozen layers: section 1's count, backward = 2 x forward less the first layer's input gradient": '''
@@ -103,18 +84,6 @@ def predict_step_flops(widths, batch, frozen):
         if index not in frozen:
             total += matmul
         if index > 0:
-            total += matmul
-    return total
-''',
-        "counts the bias additions as FLOPs too": '''
-def predict_step_flops(widths, batch, frozen):
-    total = 0
-    for index, (a, b) in enumerate(zip(widths, widths[1:])):
-        matmul = 2 * batch * a * b
-        total += matmul + batch * b
-        if index not in frozen:
-            total += matmul
-        if any(earlier not in frozen for earlier in range(index)):
             total += matmul
     return total
 ''',
