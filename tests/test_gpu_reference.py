@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -20,6 +21,9 @@ from pathlib import Path
 
 import pytest
 
+# the script is written for the Linux GPU machines (GNU coreutils' timeout, stat and split; /proc)
+pytestmark = pytest.mark.skipif(sys.platform != "linux" or shutil.which("timeout") is None,
+                                reason="tools/gpu_reference.sh needs Linux with GNU coreutils")
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tools" / "gpu_reference.sh"
 STUB = r'''

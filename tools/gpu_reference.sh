@@ -99,7 +99,7 @@ if [ "$MODE" = unpack ]; then
         echo "filed: $RESULTS/$slug/ ($(find "$RESULTS/$slug" -type f | wc -l) files); regenerate the README's"
         echo "       measured section with: .venv/bin/python tools/readme_results.py"
     else
-        echo "nothing was filed on the device (no notebook passed): results/ unchanged"
+        echo "nothing was filed on the device (the summary's 'filed' line says why): results/ unchanged"
     fi
     echo "the whole run (executed notebooks, logs, summary): $target/"
     rm -rf "$work"
@@ -375,11 +375,17 @@ log = (build / "logs" / "filing.log").read_text().strip()
 if rc == 0 and folder.is_dir():
     figures = sorted(p.name for p in (folder / "figures").glob("*.png"))
     note = f"results/{slug}/ ({len(figures)} figures, with what earlier runs filed there)"
-    # the run's own record beside the figures: how each notebook went, on which driver, CUDA and torch
+    # the runs' own record beside the figures: how each notebook went, on which driver, CUDA and torch (a later
+    # call that runs other notebooks adds to what an earlier call filed)
     rows = [line.split("\t") for line in (build / "status.tsv").read_text().splitlines()]
-    record = {"environment": json.loads((build / "environment.json").read_text()),
-              "notebooks": {r[0]: {"status": r[1], "seconds": float(r[2])} for r in rows}}
-    (folder / "reference_run.json").write_text(json.dumps(record, indent=2) + "\n")
+    record_path = folder / "reference_run.json"
+    record = json.loads(record_path.read_text()) if record_path.exists() else {"notebooks": {}}
+    record["environment"] = json.loads((build / "environment.json").read_text())
+    record["notebooks"].update({r[0]: {"status": r[1], "seconds": float(r[2])} for r in rows if r[1] != "not run"})
+    record_path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+elif json.loads((build / "environment.json").read_text()).get("dry_run"):
+    note = "nothing: a dry run is in check mode, and results/ holds full-mode runs only"
+    shutil.rmtree(build / "filed", ignore_errors=True)
 else:
     note = "nothing (" + (log.splitlines()[-1][:160] if log else f"save_results exited {rc}") + ")"
     shutil.rmtree(build / "filed", ignore_errors=True)
