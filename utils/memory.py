@@ -130,9 +130,9 @@ class MemoryMeasurement:
 
         Inside a region measured by the CUDA allocator, the outgoing phase first gets a fresh sample of
         ``memory_allocated``: that backend samples after each aten op, so without it the outgoing phase
-        would end on its last op's sample, with that op's temporaries still counted (a foreach optimizer
-        step ends with a parameter-sized temporary alive, freed only when ``step()`` returns). The tracker
-        sees every free as it happens and needs no extra sample.
+        would end on its last op's sample, and a tensor freed after that op (``del loss``, a temporary
+        dropped when a function returns) would still be counted in it. The tracker sees every free as it
+        happens and needs no extra sample.
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"a phase name must be a non-empty string, got {name!r}")
