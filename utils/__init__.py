@@ -5,6 +5,8 @@ Importing the package has no side effects (no seeding, no backend changes). The 
 """
 
 from .activations import chunked_cross_entropy
+from .attention import (LayerActivations, attention_saved_bytes, layer_activation_bytes, padding_fraction,
+                        playbook_layer_activation_bytes, sample_document_lengths)
 from .capacity import (TECHNIQUES, BatchSearch, CapacityError, Checkpointed, Technique, TechniqueCapacity,
                        checkpoint_each, find_max_batch_size, largest_batches, make_train_step, predict_max_batch_size,
                        run_under_budget, what_to_try_first)
@@ -34,6 +36,8 @@ from .timing import Timing, speedup, time_fn
 
 __all__ = [
     "chunked_cross_entropy",
+    "LayerActivations", "attention_saved_bytes", "layer_activation_bytes", "padding_fraction",
+    "playbook_layer_activation_bytes", "sample_document_lengths",
     "TECHNIQUES", "BatchSearch", "CapacityError", "Checkpointed", "Technique", "TechniqueCapacity", "checkpoint_each",
     "find_max_batch_size", "largest_batches", "make_train_step", "predict_max_batch_size", "run_under_budget",
     "what_to_try_first",
