@@ -323,7 +323,7 @@ EXPECTED_FIGURES = {
         "weight_difference_without_rng": lambda v, f: v > 0,
         "weight_difference_without_optimizer": lambda v, f: v > 0,
         "weight_difference_without_data": lambda v, f: v > 0,
-        "weight_difference_without_bee": lambda v, f: v > 0,
+        "weight_difference_without_rng_and_data": lambda v, f: v > 0,
         "inplace_kills_unloadable_fraction": lambda v, f: 0 < v <= 1,
         "atomic_kills_loadable_fraction": lambda v, f: v == 1,
         "sigterm_to_saved_ms": lambda v, f: v > 0,

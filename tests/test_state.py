@@ -1,23 +1,31 @@
+"""Unit tests of utils.state (RNG capture, the save-interval arithmetic) and utils.resume_demo, which runs
+notebook 12's recipe, read from the notebook itself, in fresh namespaces."""
+
+import json
 import os
 import random
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import utils
-from utils.resume_demo import VARIANTS, DemoConfig, DemoRun, flat_weights
+from utils.resume_demo import COMMANDS, Child, flat_weights, recipe_namespace
+from utils.state import _fsync_directory
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "12_checkpoint_and_resume.ipynb"
+RECIPE_CELLS = ("788a7cff", "r1-loop-co", "r1-save-co", "r1-restore-co", "948feed4")   # build, train, save, restore, SIGTERM
+SETTINGS = {"DEVICE": torch.device("cpu"), "ON_GPU": False, "AMP_DTYPE": torch.bfloat16, "SEED": 0, "DATA_SEED": 1,
+            "IN_FEATURES": 8, "HIDDEN_FEATURES": 16, "NUM_CLASSES": 3, "NUM_SAMPLES": 64, "BATCH_SIZE": 16,
+            "LR": 3e-3, "WARMUP_STEPS": 2, "TOTAL_STEPS": 7}
 
 
-def _small_setup():
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
-    model(torch.randn(4, 8)).sum().backward()
-    optimizer.step()
-    scheduler.step()
-    return model, optimizer, scheduler
+def _recipe() -> str:
+    """Notebook 12's recipe cells, as the notebook sends them to its children."""
+    cells = {c["id"]: "".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]}
+    return "\n\n".join(cells[cell_id] for cell_id in RECIPE_CELLS)
 
 
 def test_rng_round_trip_covers_python_numpy_torch():
@@ -43,99 +51,77 @@ def test_restore_rng_state_rejects_bad_input():
         utils.restore_rng_state({"python": random.getstate()})
 
 
-def test_training_state_round_trip_through_atomic_file(tmp_path):
-    model, optimizer, scheduler = _small_setup()
-    path = utils.save_checkpoint(utils.capture_training_state(model, optimizer, step=1, scheduler=scheduler,
-                                                              data={"epoch": 0, "batch": 1}), tmp_path / "a" / "c.pt")
-    assert path.exists() and not list(path.parent.glob(".*.tmp")), "no temporary file left behind"
-    state = utils.load_checkpoint(path)
-    fresh_model, fresh_optimizer, fresh_scheduler = _small_setup()
-    counters = utils.restore_training_state(state, fresh_model, fresh_optimizer, scheduler=fresh_scheduler)
-    assert counters["step"] == 1 and counters["data"] == {"epoch": 0, "batch": 1}
-    for a, b in zip(model.parameters(), fresh_model.parameters()):
-        assert torch.equal(a, b)
-    assert fresh_scheduler.state_dict()["last_epoch"] == scheduler.state_dict()["last_epoch"]
-    with pytest.raises(utils.CheckpointError, match="scaler was passed in"):
-        utils.restore_training_state(state, fresh_model, fresh_optimizer, scaler=torch.amp.GradScaler("cpu"))
+def test_recipe_namespace_needs_the_recipe_and_its_functions():
+    with pytest.raises(TypeError, match="source text"):
+        recipe_namespace(b"def f(): pass", SETTINGS)
+    with pytest.raises(TypeError, match="mapping"):
+        recipe_namespace("x = 1", [("SEED", 0)])
+    with pytest.raises(ValueError, match="does not define"):
+        recipe_namespace("def make_data():\n    return 1, 2", SETTINGS)
+    namespace = recipe_namespace(_recipe(), SETTINGS)
+    assert namespace["inputs"].shape == (64, 8) and namespace["DEVICE"] == torch.device("cpu")
 
 
-def test_capture_training_state_rejects_bad_input():
-    model, optimizer, _ = _small_setup()
-    with pytest.raises(TypeError, match="nn.Module"):
-        utils.capture_training_state("model", optimizer, step=0)
-    with pytest.raises(TypeError, match="Optimizer"):
-        utils.capture_training_state(model, "adam", step=0)
-    with pytest.raises(ValueError, match="step"):
-        utils.capture_training_state(model, optimizer, step=-1)
+def test_the_recipe_resumes_bit_for_bit_and_without_a_piece_it_does_not(tmp_path):
+    recipe = recipe_namespace(_recipe(), SETTINGS)
+    straight = recipe["make_run"]()
+    recipe["train"](*straight, {"step": 0, "epoch": 0, "batch": 0}, SETTINGS["TOTAL_STEPS"])
+    first, position = recipe["make_run"](), {"step": 0, "epoch": 0, "batch": 0}
+    recipe["train"](*first, position, 5)                       # crosses an epoch: 4 batches per epoch
+    state = recipe["training_state"](*first, position)
+    recipe["save_atomically"](state, tmp_path / "full.pt")
+    assert not list(tmp_path.glob(".*.tmp")), "no temporary file left behind"
+    fresh = recipe["training_state"](*recipe["make_run"](), {"step": 0, "epoch": 0, "batch": 0})
+    recipe["save_atomically"]({**state, "rng": fresh["rng"]}, tmp_path / "no_rng.pt")
+    lines = []
+    COMMANDS["resume"](lines.append, recipe=_recipe(), settings=SETTINGS, out=str(tmp_path / "out.pt"),
+                       checkpoints={"full": str(tmp_path / "full.pt"), "no RNG": str(tmp_path / "no_rng.pt")})
+    outcome = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert lines[0].startswith("loaded step 5 in") and lines[-1].startswith("resumed 2 checkpoints")
+    assert torch.equal(outcome["full"]["weights"], flat_weights(straight[0]))
+    assert outcome["full"]["final_step"] == SETTINGS["TOTAL_STEPS"]
+    assert not torch.equal(outcome["no RNG"]["weights"], flat_weights(straight[0]))
 
 
-def test_load_checkpoint_gives_clear_errors(tmp_path):
-    model, optimizer, _ = _small_setup()
-    good = utils.save_checkpoint(utils.capture_training_state(model, optimizer, step=3), tmp_path / "good.pt")
-    data = good.read_bytes()
-    (tmp_path / "truncated.pt").write_bytes(data[: len(data) // 2])
-    (tmp_path / "empty.pt").write_bytes(b"")
-    (tmp_path / "text.pt").write_text("not a checkpoint")
-    for name in ("truncated.pt", "empty.pt", "text.pt"):
-        with pytest.raises(utils.CheckpointError, match="truncated or corrupt"):
-            utils.load_checkpoint(tmp_path / name)
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        utils.load_checkpoint(tmp_path / "missing.pt")
-    torch.save({"weights": torch.ones(2)}, tmp_path / "plain.pt")
-    with pytest.raises(utils.CheckpointError, match="not a training checkpoint"):
-        utils.load_checkpoint(tmp_path / "plain.pt")
-    assert torch.equal(utils.load_checkpoint(tmp_path / "plain.pt", training_state=False)["weights"], torch.ones(2))
+def test_the_recipe_restore_refuses_a_file_that_runs_code(tmp_path):
+    recipe = recipe_namespace(_recipe(), SETTINGS)
+    torch.save({"model": {}, "note": _RunsCode()}, tmp_path / "evil.pt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        recipe["restore"](tmp_path / "evil.pt", *recipe["make_run"]())
 
 
-class _Unlisted:
-    """A class torch's safe unpickler does not know."""
+class _RunsCode:
+    def __reduce__(self):
+        return os.getpid, ()
 
 
-def test_load_checkpoint_refuses_unlisted_classes_and_names_the_fix(tmp_path):
-    torch.save({"format": "x", "thing": _Unlisted()}, tmp_path / "unlisted.pt")
-    with pytest.raises(utils.CheckpointError, match="add_safe_globals"):
-        utils.load_checkpoint(tmp_path / "unlisted.pt")
+def test_write_command_checks_its_arguments(tmp_path):
+    with pytest.raises(ValueError, match="mode must be"):
+        COMMANDS["write"](print, recipe=_recipe(), settings=SETTINGS, path=str(tmp_path / "x.pt"), mode="sideways")
+    with pytest.raises(ValueError, match="megabytes"):
+        COMMANDS["write"](print, recipe=_recipe(), settings=SETTINGS, path=str(tmp_path / "x.pt"), mode="atomic",
+                          megabytes=0)
 
 
-def test_save_checkpoint_in_place_and_bad_path(tmp_path):
-    path = utils.save_checkpoint({"a": torch.ones(1)}, tmp_path / "x.pt", atomic=False)
-    assert torch.equal(torch.load(path, weights_only=True)["a"], torch.ones(1))
-    with pytest.raises(ValueError, match="folder"):
-        utils.save_checkpoint({"a": 1}, tmp_path)
-
-
-def test_async_writer_snapshots_before_the_next_update(tmp_path):
-    weights = torch.zeros(1000)
-    writer = utils.AsyncCheckpointWriter()
-    stall_s = writer.save({"w": weights}, tmp_path / "async.pt")
-    weights.add_(1)                       # the next "step" must not leak into the file
-    writer.wait()
-    assert stall_s >= 0 and writer.last_write_s > 0
-    assert torch.equal(torch.load(tmp_path / "async.pt", weights_only=True)["w"], torch.zeros(1000))
-    copied = utils.copy_to_cpu({"a": [weights, (weights, 3)]})
-    assert copied["a"][1][1] == 3 and copied["a"][0].data_ptr() != weights.data_ptr()
-
-
-def test_async_writer_reraises_background_errors(tmp_path):
-    writer = utils.AsyncCheckpointWriter()
-    (tmp_path / "a_file").write_text("x")
-    writer.save({"a": 1}, tmp_path / "a_file" / "c.pt")   # its folder cannot be created: fails in the thread
-    with pytest.raises(OSError):
-        writer.wait()
-    writer.wait()                                          # the error is reported once
-    with pytest.raises(ValueError, match="folder"):
-        writer.save({"a": 1}, tmp_path)
-
-
-def test_preemption_flag_catches_sigterm_and_restores_the_handler():
+def test_train_command_saves_at_a_step_boundary_on_sigterm(tmp_path):
+    # in this process: the report callback sends SIGTERM once the recipe's handler is installed
     before = signal.getsignal(signal.SIGTERM)
-    with utils.PreemptionFlag() as preempted:
-        assert not preempted.requested
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert preempted.requested and preempted.signal_number == signal.SIGTERM
-    assert signal.getsignal(signal.SIGTERM) == before
-    with pytest.raises(ValueError, match="at least one"):
-        utils.PreemptionFlag(signals=())
+    lines = []
+
+    def report(line: str) -> None:
+        lines.append(line)
+        if line == "training":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    COMMANDS["train"](report, recipe=_recipe(), settings=SETTINGS, path=str(tmp_path / "preempted.pt"))
+    words = lines[-1].split()
+    assert words[0] == "preempted" and int(words[2]) >= 3 and float(words[6]) >= float(words[4]) > 0
+    assert torch.load(tmp_path / "preempted.pt", weights_only=True)["position"]["step"] == int(words[2])
+    assert signal.getsignal(signal.SIGTERM) == before, "the recipe puts the previous handler back"
+
+
+def test_fsync_directory_accepts_a_folder(tmp_path):
+    _fsync_directory(tmp_path)     # a rename's durability; nothing to observe but that it runs
 
 
 def test_young_daly_and_overhead():
@@ -162,38 +148,7 @@ def test_simulation_agrees_with_the_formula_and_is_seeded():
         utils.simulate_preemptions(1.0, 1.0, 1.0, 1.0, num_runs=1)
 
 
-def test_demo_child_rejects_unknown_commands():
+def test_child_rejects_unknown_commands():
     # the child processes themselves run in notebook 12 (a forkserver start is too slow for a unit test)
-    from utils.resume_demo import Child
-
     with pytest.raises(ValueError, match="command must be one of"):
         Child("sleep")
-
-
-def test_demo_commands_report_through_a_callback(tmp_path):
-    from utils.resume_demo import COMMANDS, ping_command
-
-    lines = []
-    ping_command(lines.append)
-    assert lines == ["pong"] and set(COMMANDS) == {"resume", "write", "train", "ping"}
-    with pytest.raises(ValueError, match="mode must be"):
-        COMMANDS["write"](lines.append, path=str(tmp_path / "x.pt"), mode="sideways")
-
-
-def test_demo_resume_is_bit_exact_in_process_and_dropping_pieces_is_not(tmp_path):
-    torch.manual_seed(0)
-    config = DemoConfig(total_steps=10, warmup_steps=4, num_samples=96, batch_size=32)
-    straight = DemoRun(config)
-    straight.train_steps(config.total_steps)
-    first = DemoRun(config)
-    first.train_steps(5)
-    path = utils.save_checkpoint(first.checkpoint(), tmp_path / "demo.pt")
-    for name, drop in VARIANTS.items():
-        resumed = DemoRun.resume(utils.load_checkpoint(path), drop=drop)
-        resumed.train_steps(config.total_steps - resumed.step)
-        same = torch.equal(flat_weights(resumed.model), flat_weights(straight.model))
-        assert same == (name == "full"), name
-    with pytest.raises(ValueError, match="unknown pieces"):
-        DemoRun.resume(utils.load_checkpoint(path), drop=("weights",))
-    with pytest.raises(ValueError, match="batch_size"):
-        DemoConfig(batch_size=64, num_samples=32)

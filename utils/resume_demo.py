@@ -1,255 +1,149 @@
-"""A small resumable training run, and the child processes notebook 12 starts, kills and resumes.
+"""Fresh processes for notebook 12: run the notebook's own checkpoint recipe where nothing else is in memory.
 
-Introduced in notebook 12. The notebook trains here in its own process, saves, and then runs these
-commands in *fresh* processes (``Child``: forked from a forkserver that has imported torch, so each
-starts in milliseconds), so that nothing a resumed run needs can hide in the notebook's memory. A
-reader can run the same commands with ``python -m utils.resume_demo <command> --help``:
+Introduced in notebook 12. The notebook writes its recipe as plain functions (``make_data``,
+``make_run``, ``train``, ``training_state``, ``save_atomically``, ``restore`` and
+``train_until_preempted``); a resumed run proves something only in a process that shares nothing
+with the run that saved, so the notebook sends the *source text* of those functions
+(``inspect.getsource``) and its settings (plain values: sizes, seeds, the device) to a child, which
+executes that text in a namespace of its own (``recipe_namespace``) and calls it:
 
-- ``resume``: load a checkpoint, continue to the last step, once in full and once for each piece of
-  state left out; write the final weights and the losses (``--out``).
-- ``write``: save a large checkpoint again and again (in place or atomically) until it is killed.
-- ``train``: train until SIGTERM arrives, then save at the next step boundary and exit 0.
+- ``resume``: for each checkpoint file, build a fresh run, ``restore`` it and ``train`` to the last
+  step; write the final weights and the losses (``out``).
+- ``write``: save a large state again and again, in place (``torch.save`` into the opened file) or
+  with the recipe's ``save_atomically``, until the notebook kills it.
+- ``train``: ``train_until_preempted`` until SIGTERM arrives; report when it saved.
+- ``ping``: nothing; the first child's start-up time is what a restart costs before the load.
 
-The training run itself: a ``utils.MLP`` with dropout (so the RNG matters), AdamW, a learning-rate
-schedule with linear warm-up then cosine decay (so the scheduler matters), and a data order shuffled
-each epoch by a seeded generator, read batch by batch (so the position in it matters). On CUDA it
-runs in fp16 with a GradScaler (so the scaler's state matters).
+Children are forked from a *forkserver*: one separate interpreter that imports torch (and trains
+nothing), then forks a clean child per command in milliseconds. This module is the plumbing; the
+technique is the notebook's.
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
 import math
 import multiprocessing
 import os
+import random
+import signal
 import threading
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 
-from .env import seed_everything
-from .models import MLP, make_classification_data
-from .state import (PreemptionFlag, capture_training_state, load_checkpoint, restore_rng_state,
-                    restore_training_state, save_checkpoint)
+from .checks import positive_number
 
-PIECES = ("scheduler", "rng", "optimizer", "data")
-VARIANTS = {  # name -> the pieces of state a resume leaves out
-    "full": (),
-    "no scheduler": ("scheduler",),
-    "no RNG": ("rng",),
-    "no optimizer state": ("optimizer",),
-    "no data position": ("data",),
-    "BEE-30091's checkpoint": ("rng", "data"),   # model, optimizer, scheduler and step only
-}
+RECIPE_FUNCTIONS = ("make_data", "make_run", "train", "training_state", "save_atomically", "restore")
 
 
-@dataclass(frozen=True)
-class DemoConfig:
-    """Sizes and hyper-parameters of the demo run (all plain numbers, so it saves as a dict)."""
-
-    in_features: int = 32
-    hidden_features: int = 64
-    num_classes: int = 4
-    num_hidden_layers: int = 2
-    dropout: float = 0.2
-    num_samples: int = 256
-    batch_size: int = 32
-    lr: float = 3e-3
-    warmup_steps: int = 8
-    total_steps: int = 24
-    seed: int = 0          # model initialisation and the RNGs
-    data_seed: int = 1     # the data order: epoch e is shuffled by a generator seeded with data_seed + e
-
-    def __post_init__(self) -> None:
-        for name in ("in_features", "hidden_features", "num_classes", "num_hidden_layers", "num_samples",
-                     "batch_size", "total_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.batch_size > self.num_samples:
-            raise ValueError(f"batch_size {self.batch_size} exceeds num_samples {self.num_samples}")
-        if not 0 <= self.warmup_steps < self.total_steps:
-            raise ValueError(f"warmup_steps must be in [0, total_steps), got {self.warmup_steps}")
-
-    @property
-    def batches_per_epoch(self) -> int:
-        """Full batches per epoch (the last, partial batch is dropped)."""
-        return self.num_samples // self.batch_size
-
-
-class DemoRun:
-    """The live objects of one run: model, optimizer, scheduler, scaler, data and counters.
+def recipe_namespace(recipe: str, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Execute the recipe's source text in a fresh namespace that holds the modules it uses and ``settings``.
 
     Args:
-        config: sizes and hyper-parameters.
-        device: where to train. On CUDA the run uses fp16 autocast and a GradScaler.
+        recipe: Python source defining at least ``RECIPE_FUNCTIONS`` (notebook 12's cells, as text).
+        settings: the module-level names the recipe reads (``DEVICE``, ``SEED``, ``BATCH_SIZE`` ...).
+
+    Returns:
+        The namespace, with ``inputs`` and ``labels`` set from the recipe's ``make_data()``.
+
+    Raises:
+        TypeError: ``recipe`` is not a string or ``settings`` not a mapping.
+        ValueError: the recipe lacks one of ``RECIPE_FUNCTIONS``.
     """
+    if not isinstance(recipe, str):
+        raise TypeError(f"recipe must be Python source text, not {type(recipe).__name__}")
+    if not isinstance(settings, Mapping):
+        raise TypeError(f"settings must be a mapping of names to values, not {type(settings).__name__}")
+    import utils   # the recipe builds its model with utils.MLP and its data with utils.make_classification_data
 
-    def __init__(self, config: DemoConfig, device: torch.device | str = "cpu") -> None:
-        self.config = config
-        self.device = torch.device(device)
-        seed_everything(config.seed)
-        self.model = MLP(config.in_features, config.hidden_features, config.num_classes,
-                         config.num_hidden_layers, dropout=config.dropout).to(self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr)
-        # linear warm-up then cosine decay: the shape of Hugging Face's get_cosine_schedule_with_warmup
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.use_amp = self.device.type == "cuda"
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.use_amp)
-        self.inputs, self.labels = make_classification_data(config.num_samples, config.in_features,
-                                                            config.num_classes, seed=config.data_seed,
-                                                            device=self.device)
-        self.step = 0           # optimizer steps taken
-        self.epoch = 0          # position in the data order: epoch ...
-        self.batch = 0          # ... and batch within it
-        self._order: torch.Tensor | None = None
-
-    def _lr_factor(self, step: int) -> float:
-        warmup, total = self.config.warmup_steps, self.config.total_steps
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._order is None:  # this epoch's shuffled order, from its own seeded generator
-            generator = torch.Generator().manual_seed(self.config.data_seed + self.epoch)
-            self._order = torch.randperm(self.config.num_samples, generator=generator)
-        size = self.config.batch_size
-        rows = self._order[self.batch * size:(self.batch + 1) * size].to(self.device)
-        self.batch += 1
-        if self.batch == self.config.batches_per_epoch:
-            self.epoch, self.batch, self._order = self.epoch + 1, 0, None
-        return self.inputs[rows], self.labels[rows]
-
-    def train_steps(self, num_steps: int) -> list[float]:
-        """Run ``num_steps`` optimizer steps; return each step's loss."""
-        losses = []
-        self.model.train()
-        for _ in range(num_steps):
-            inputs, labels = self._next_batch()
-            with torch.autocast(self.device.type, dtype=torch.float16, enabled=self.use_amp):
-                loss = F.cross_entropy(self.model(inputs), labels)
-            self.scaler.scale(loss).backward()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
-            self.step += 1
-            losses.append(loss.item())
-        return losses
-
-    def checkpoint(self) -> dict[str, Any]:
-        """The full training state (``utils.capture_training_state``), with the data position and config."""
-        return capture_training_state(self.model, self.optimizer, step=self.step, scheduler=self.scheduler,
-                                      scaler=self.scaler, epoch=self.epoch,
-                                      data={"seed": self.config.data_seed, "epoch": self.epoch, "batch": self.batch},
-                                      extra={"config": asdict(self.config)})
-
-    @classmethod
-    def resume(cls, state: dict[str, Any], device: torch.device | str = "cpu",
-               drop: Sequence[str] = ()) -> "DemoRun":
-        """Build a fresh run and restore ``state`` into it, leaving out the pieces named in ``drop``.
-
-        Args:
-            state: a checkpoint from ``DemoRun.checkpoint`` (loaded with ``utils.load_checkpoint``).
-            device: where to train.
-            drop: any of ``"scheduler"``, ``"rng"``, ``"optimizer"``, ``"data"``. A dropped piece is
-                what a fresh process has instead: a new scheduler (warm-up starts again), RNGs seeded
-                as at start-up, a new AdamW (no moments, step 0), the data order from epoch 0.
-        """
-        unknown = set(drop) - set(PIECES)
-        if unknown:
-            raise ValueError(f"unknown pieces {sorted(unknown)}; choose from {PIECES}")
-        state = copy.deepcopy(state)   # optimizer.load_state_dict keeps CPU tensors by reference: keep ours intact
-        run = cls(DemoConfig(**state["extra"]["config"]), device)   # seeds the RNGs like a fresh process
-        if not drop:
-            restore_training_state(state, run.model, run.optimizer, scheduler=run.scheduler, scaler=run.scaler)
-        else:
-            run.model.load_state_dict(state["model"])
-            run.scaler.load_state_dict(state["scaler"])
-            if "optimizer" not in drop:
-                run.optimizer.load_state_dict(state["optimizer"])
-            if "scheduler" not in drop:
-                run.scheduler.load_state_dict(state["scheduler"])
-            if "rng" not in drop:
-                restore_rng_state(state["rng"])
-        run.step = state["step"]
-        if "data" not in drop:
-            run.epoch, run.batch = state["data"]["epoch"], state["data"]["batch"]
-        return run
+    namespace: dict[str, Any] = {"__name__": "recipe", "math": math, "os": os, "random": random, "signal": signal,
+                                 "time": time, "Path": Path, "torch": torch, "F": F, "nn": torch.nn, "utils": utils,
+                                 **settings}
+    exec(compile(recipe, "<notebook 12's recipe>", "exec"), namespace)
+    missing = [name for name in RECIPE_FUNCTIONS if not callable(namespace.get(name))]
+    if missing:
+        raise ValueError(f"the recipe does not define {missing}; it needs {list(RECIPE_FUNCTIONS)}")
+    namespace["inputs"], namespace["labels"] = namespace["make_data"]()
+    return namespace
 
 
 def flat_weights(model: torch.nn.Module) -> torch.Tensor:
-    """All parameters as one fp32 CPU vector (to compare runs)."""
+    """All parameters as one float32 CPU vector, to compare two runs."""
     return torch.cat([p.detach().float().cpu().reshape(-1) for p in model.parameters()])
 
 
 # --- what the child processes do ----------------------------------------------------------------
-# Each command reports progress through ``report(line)``: print() on the command line, a pipe to
-# the notebook when started by ``Child``.
+# Each command reports progress through ``report(line)``: the pipe to the notebook.
 
-def resume_command(report: Callable[[str], None], *, checkpoint: str, out: str, device: str = "cpu",
-                   variants: Sequence[str] = tuple(VARIANTS)) -> None:
-    """Load ``checkpoint``, finish the run once per variant, save final weights and losses to ``out``."""
-    started = time.perf_counter()
-    state = load_checkpoint(checkpoint)
-    load_s = time.perf_counter() - started
-    report(f"loaded step {state['step']} in {load_s:.6f} s")
-    outcome: dict[str, Any] = {"load_s": load_s, "variants": {}}
-    for name in variants:
-        if name not in VARIANTS:
-            raise ValueError(f"unknown variant {name!r}; choose from {list(VARIANTS)}")
-        run = DemoRun.resume(state, device, drop=VARIANTS[name])
-        losses = run.train_steps(run.config.total_steps - run.step)
-        outcome["variants"][name] = {"weights": flat_weights(run.model), "losses": torch.tensor(losses),
-                                     "final_step": run.step}
-    save_checkpoint(outcome, out)
-    report(f"resumed from step {state['step']}: {len(outcome['variants'])} variants written to {out}")
+def resume_command(report: Callable[[str], None], *, recipe: str, settings: Mapping[str, Any],
+                   checkpoints: Mapping[str, str], out: str) -> None:
+    """Resume from each checkpoint with the recipe and train to ``settings["TOTAL_STEPS"]``; save the outcomes."""
+    recipe_ns = recipe_namespace(recipe, settings)
+    outcome: dict[str, Any] = {}
+    for name, path in checkpoints.items():
+        started = time.perf_counter()
+        run = recipe_ns["make_run"]()                       # as a new process builds it, seeded
+        position = recipe_ns["restore"](Path(path), *run)
+        if not outcome:
+            report(f"loaded step {position['step']} in {time.perf_counter() - started:.6f} s")
+        losses = recipe_ns["train"](*run, position, settings["TOTAL_STEPS"] - position["step"])
+        outcome[name] = {"weights": flat_weights(run[0]), "losses": torch.tensor(losses), "final_step": position["step"]}
+    torch.save(outcome, out)
+    report(f"resumed {len(outcome)} checkpoints, outcomes written to {out}")
 
 
-def write_command(report: Callable[[str], None], *, path: str, mode: str, megabytes: float = 32.0) -> None:
-    """Save a checkpoint of about ``megabytes`` MiB again and again (``mode`` "inplace" or "atomic"), forever."""
+def write_command(report: Callable[[str], None], *, recipe: str, settings: Mapping[str, Any], path: str, mode: str,
+                  megabytes: float = 32.0) -> None:
+    """Save a state of about ``megabytes`` MiB again and again (``mode`` "inplace" or "atomic"), until killed."""
     if mode not in ("inplace", "atomic"):
         raise ValueError(f"mode must be 'inplace' or 'atomic', got {mode!r}")
+    positive_number("megabytes", megabytes)
+    save_atomically = recipe_namespace(recipe, settings)["save_atomically"]
     side = int(math.sqrt(megabytes * 2**20 / 4))
-    model = torch.nn.Linear(side, side, bias=False)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    weight = torch.randn(side, side)
     report(f"ready {side}")
     step = 0
-    while True:   # back-to-back saves, so a kill almost surely lands inside one
+    while True:   # back-to-back saves, so that a kill almost surely lands inside one
         step += 1
-        state = capture_training_state(model, optimizer, step=step)
+        state = {"model": {"weight": weight}, "position": {"step": step, "epoch": 0, "batch": step}}
         started = time.perf_counter()
         if mode == "atomic":
             report(f"writing {step}")
-            save_checkpoint(state, path)
+            save_atomically(state, Path(path))
         else:
             # what torch.save(state, path) does: open (which empties the file), then write; reporting
-            # between the two tells the parent that from now until the close the file is incomplete
+            # between the two tells the notebook that from now until the close the file is incomplete
             with open(path, "wb") as file:
                 report(f"writing {step}")
                 torch.save(state, file)
         report(f"saved {step} {time.perf_counter() - started:.6f}")
 
 
-def train_command(report: Callable[[str], None], *, path: str, device: str = "cpu", step_sleep_s: float = 0.01) -> None:
-    """Train until SIGTERM arrives, then save the full state at the next step boundary and return."""
-    run = DemoRun(DemoConfig(total_steps=10**9), device)   # endless: it stops on SIGTERM
-    with PreemptionFlag() as preempted:
-        while not preempted.requested:
-            run.train_steps(1)
-            if run.step == 3:
-                report("training")
-            time.sleep(step_sleep_s)                        # stands in for a longer step
+def train_command(report: Callable[[str], None], *, recipe: str, settings: Mapping[str, Any], path: str) -> None:
+    """Run the recipe's ``train_until_preempted`` on a fresh run; report the step saved and the times."""
+    recipe_ns = recipe_namespace(recipe, settings)
+    position = {"step": 0, "epoch": 0, "batch": 0}
+    train, save_atomically = recipe_ns["train"], recipe_ns["save_atomically"]
+    saves: list[float] = []
+
+    def reporting_train(*args: Any, **kwargs: Any) -> list[float]:   # the recipe's train, reporting once it runs
+        losses = train(*args, **kwargs)
+        if position["step"] == 3:                   # the SIGTERM handler is installed by now: signal away
+            report("training")
+        return losses
+
+    def timed_save(*args: Any, **kwargs: Any) -> None:
         started = time.perf_counter()
-        save_checkpoint(run.checkpoint(), path)             # at a step boundary: a consistent state
-        waited_s = time.monotonic() - preempted.received_at
-    report(f"preempted step {run.step} save_s {time.perf_counter() - started:.6f} since_signal_s {waited_s:.6f}")
+        save_atomically(*args, **kwargs)
+        saves.append(time.perf_counter() - started)
+
+    recipe_ns["train"], recipe_ns["save_atomically"] = reporting_train, timed_save
+    signalled_at = recipe_ns["train_until_preempted"](Path(path), *recipe_ns["make_run"](), position)
+    since_signal_s = time.monotonic() - signalled_at
+    report(f"preempted step {position['step']} save_s {saves[-1]:.6f} since_signal_s {since_signal_s:.6f}")
 
 
 def ping_command(report: Callable[[str], None]) -> None:
@@ -270,17 +164,19 @@ def _context() -> Any:
     global _FORKSERVER
     if _FORKSERVER is None:
         if "forkserver" not in multiprocessing.get_all_start_methods():
-            raise RuntimeError("the demo's child processes need the 'forkserver' start method (Linux, macOS); "
-                               "run `python -m utils.resume_demo` yourself on other systems")
+            raise RuntimeError("notebook 12's child processes need the 'forkserver' start method (Linux, macOS)")
         _FORKSERVER = multiprocessing.get_context("forkserver")
         _FORKSERVER.set_forkserver_preload(["utils.resume_demo", "torch._dynamo"])  # optimizers import it
     return _FORKSERVER
 
 
-def _child_main(command: str, kwargs: dict[str, Any], threads: int, connection: Any) -> None:
-    # the same thread count as the parent: a reduction split differently rounds differently. On CUDA
-    # the same kernels on the same GPU and one stream give the same bits; nothing else to set here
+def _child_main(command: str, kwargs: dict[str, Any], threads: int, deterministic: bool,
+                environment: dict[str, str], connection: Any) -> None:
+    # The same thread count as the parent (a reduction split differently rounds differently), and on CUDA the
+    # same deterministic kernels: cuBLAS reads CUBLAS_WORKSPACE_CONFIG when this process first calls it
+    os.environ.update(environment)
     torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
     COMMANDS[command](connection.send, **kwargs)
     connection.close()
 
@@ -290,15 +186,16 @@ class Child:
 
     The process is forked from a forkserver: a separate interpreter, started once, that has
     imported torch and nothing else, so each child starts in milliseconds and shares no memory
-    with the notebook. On the command line, ``python -m utils.resume_demo`` runs the same commands.
+    with the notebook. It inherits the notebook's torch thread count, its deterministic-algorithms
+    setting and its ``CUBLAS_WORKSPACE_CONFIG``, so that the same recipe computes the same bits.
 
     Args:
-        command: ``"resume"``, ``"write"`` or ``"train"``.
-        threads: torch threads in the child (default: the parent's, so the arithmetic is identical).
+        command: ``"resume"``, ``"write"``, ``"train"`` or ``"ping"``.
+        threads: torch threads in the child (default: the parent's).
         **kwargs: the command's keyword arguments.
 
     Example:
-        >>> child = Child("write", path="build/x.pt", mode="atomic")
+        >>> child = Child("write", recipe=source, settings=settings, path="build/x.pt", mode="atomic")
         >>> child.wait_for("saved", timeout_s=30); child.kill()
     """
 
@@ -309,8 +206,10 @@ class Child:
         self.command = command
         self.lines: list[str] = []
         self._connection, child_end = context.Pipe(duplex=False)
+        environment = {key: os.environ[key] for key in ("CUBLAS_WORKSPACE_CONFIG",) if key in os.environ}
         self.process = context.Process(target=_child_main, daemon=True,
-                                       args=(command, kwargs, threads or torch.get_num_threads(), child_end))
+                                       args=(command, kwargs, threads or torch.get_num_threads(),
+                                             torch.are_deterministic_algorithms_enabled(), environment, child_end))
         self.process.start()
         child_end.close()   # the child holds the only write end: EOF when it ends
 
@@ -400,44 +299,3 @@ class ForkserverWarmUp:
         if self._seconds is None:
             raise TimeoutError(f"the forkserver's first child did not answer within {timeout_s} s")
         return self._seconds
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m utils.resume_demo {resume,write,train} ...``: see the module docstring."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    resume = sub.add_parser("resume", help="load a checkpoint and finish the run, with and without each piece")
-    resume.add_argument("--checkpoint", required=True)
-    resume.add_argument("--out", required=True)
-    resume.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
-    write = sub.add_parser("write", help="save a large checkpoint again and again until killed")
-    write.add_argument("--path", required=True)
-    write.add_argument("--mode", choices=("inplace", "atomic"), required=True)
-    write.add_argument("--megabytes", type=float, default=32.0)
-    train = sub.add_parser("train", help="train until SIGTERM, then save and exit 0")
-    train.add_argument("--path", required=True)
-    train.add_argument("--step-sleep-s", type=float, default=0.01, help="seconds added to each step")
-    for command in (resume, train):
-        command.add_argument("--device", default="cpu")
-    for command in (resume, write, train):
-        command.add_argument("--threads", type=int, default=torch.get_num_threads())
-    args = vars(parser.parse_args(argv))
-    command, threads = args.pop("command"), args.pop("threads")
-    if "variants" in args:
-        args["variants"] = args["variants"].split(",")
-    _child_main(command, args, threads, _Printer())
-    return 0
-
-
-class _Printer:
-    """Stands in for the pipe on the command line."""
-
-    def send(self, line: str) -> None:
-        print(line, flush=True)
-
-    def close(self) -> None:
-        pass
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

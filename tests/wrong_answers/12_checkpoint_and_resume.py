@@ -1,0 +1,108 @@
+"""Wrong answers to notebook 12's exercises: the mistakes learners make (format: tests/wrong_answers/README.md)."""
+
+WRONG = {
+    "exercise_1": {
+        "moves the step on but leaves the data position one batch behind": '''
+def repair(checkpoint):
+    repaired = copy.deepcopy(checkpoint)
+    repaired["position"]["step"] = repaired["scheduler"]["last_epoch"]
+    return repaired
+''',
+        "adds one step to every checkpoint, a correct one too": '''
+def repair(checkpoint):
+    repaired = copy.deepcopy(checkpoint)
+    step = repaired["position"]["step"] + 1
+    epoch, batch = divmod(step, NUM_SAMPLES // BATCH_SIZE)
+    repaired["position"] = {"step": step, "epoch": epoch, "batch": batch}
+    return repaired
+''',
+        "repairs the checkpoint it was given in place": '''
+def repair(checkpoint):
+    step = checkpoint["scheduler"]["last_epoch"]
+    epoch, batch = divmod(step, NUM_SAMPLES // BATCH_SIZE)
+    checkpoint["position"] = {"step": step, "epoch": epoch, "batch": batch}
+    return checkpoint
+''',
+        "divides the step by the batch size, not by the batches per epoch": '''
+def repair(checkpoint):
+    repaired = copy.deepcopy(checkpoint)
+    step = repaired["scheduler"]["last_epoch"]
+    epoch, batch = divmod(step, BATCH_SIZE)
+    repaired["position"] = {"step": step, "epoch": epoch, "batch": batch}
+    return repaired
+''',
+    },
+    "exercise_2": {
+        "sorts the file names as text: step-9 comes after step-13": '''
+def newest_loadable(folder):
+    for path in sorted(folder.glob("step-*.pt"), reverse=True):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception:
+            continue
+    if list(folder.glob("step-*.pt")):
+        raise RuntimeError("no checkpoint loads")
+    return None
+''',
+        "takes the most recently modified file as the newest": '''
+def newest_loadable(folder):
+    paths = sorted(folder.glob("step-*.pt"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in paths:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception:
+            continue
+    if paths:
+        raise RuntimeError("no checkpoint loads")
+    return None
+''',
+        "loads with weights_only=False: the planted file runs its code": '''
+def newest_loadable(folder):
+    paths = sorted(folder.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]), reverse=True)
+    for path in paths:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False)
+        except Exception:
+            continue
+    if paths:
+        raise RuntimeError("no checkpoint loads")
+    return None
+''',
+        "reads every file in the folder, a killed writer's temporary file too": '''
+def newest_loadable(folder):
+    steps = {}
+    for path in folder.iterdir():
+        digits = "".join(c for c in path.name if c.isdigit())
+        if path.is_file() and digits:
+            steps[int(digits)] = path
+    for step in sorted(steps, reverse=True):
+        try:
+            return torch.load(steps[step], map_location="cpu", weights_only=True)
+        except Exception:
+            continue
+    if steps:
+        raise RuntimeError("no checkpoint loads")
+    return None
+''',
+        "starts from step 0 when nothing loads": '''
+def newest_loadable(folder):
+    paths = sorted(folder.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]), reverse=True)
+    for path in paths:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception:
+            continue
+    return None
+''',
+        "tries only the newest file": '''
+def newest_loadable(folder):
+    paths = sorted(folder.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+    if not paths:
+        return None
+    try:
+        return torch.load(paths[-1], map_location="cpu", weights_only=True)
+    except Exception:
+        return None
+''',
+    },
+}
