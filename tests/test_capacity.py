@@ -1,4 +1,5 @@
-"""Tests of utils.capacity (the largest-batch search) and of measure_memory's budget, on the CPU tracker."""
+"""Tests of utils.capacity (the largest-batch search, its prediction, the comparison of configurations) and of
+measure_memory's budget, on the CPU tracker. Its CUDA branches run against a fake in tests/test_cuda_paths.py."""
 
 import dataclasses
 import gc
@@ -8,9 +9,8 @@ import torch
 from torch import nn
 
 import utils
-from utils.capacity import (BatchSearch, CapacityError, Checkpointed, Technique, TechniqueCapacity, checkpoint_each,
-                            find_max_batch_size, largest_batches, make_train_step, predict_max_batch_size,
-                            run_under_budget, what_to_try_first)
+from utils.capacity import (BatchSearch, CapacityError, TechniqueCapacity, check_budget, find_max_batch_size,
+                            largest_batches, predict_max_batch_size, run_under_budget, what_to_try_first)
 
 CPU = torch.device("cpu")
 ROW_BYTES = 4 * 1000          # one float32 row of 1000 features
@@ -76,19 +76,23 @@ def test_search_rejects_bad_arguments(kwargs, error):
         find_max_batch_size(42, CPU, 100)
 
 
-def _tiny_training():
+def _tiny_training(hidden: int = 64):
+    """A model, its AdamW and a plain training step(batch_size), as a reader writes them."""
     torch.manual_seed(0)
-    model = utils.MLP(16, 64, 4)
+    model = utils.MLP(16, hidden, 4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    def make_batch(batch_size):
-        return torch.randn(batch_size, 16), torch.randint(0, 4, (batch_size,))
+    def step(batch_size):
+        inputs, targets = torch.randn(batch_size, 16), torch.randint(0, 4, (batch_size,))
+        nn.functional.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
-    return model, optimizer, make_train_step(model, optimizer, make_batch, nn.functional.cross_entropy)
+    return step, model, optimizer
 
 
 def test_failed_steps_leak_nothing():
-    model, optimizer, step = _tiny_training()
+    step, model, optimizer = _tiny_training()
     step(2)                                      # the optimizer state exists before we measure
     with utils.measure_memory(CPU, include=[model, optimizer]) as mem:
         found = find_max_batch_size(step, CPU, 400_000, model=model, optimizer=optimizer)
@@ -99,26 +103,60 @@ def test_failed_steps_leak_nothing():
 
 
 def test_run_under_budget_reports_peak_or_none():
-    model, optimizer, step = _tiny_training()
+    step, model, optimizer = _tiny_training()
     step(2)
     peak = run_under_budget(step, 4, CPU, 10**9, include=[model, optimizer])
     assert peak is not None and peak > utils.tensor_bytes([model, optimizer])
     assert run_under_budget(step, 4, CPU, peak - 1, include=[model, optimizer]) is None
+    with pytest.raises(ValueError, match="batch_size"):
+        run_under_budget(step, 0, CPU, 10**9)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        run_under_budget(step, 4, CPU, -1)
+
+
+@pytest.mark.parametrize("guess", [37, 36, 38, 10, 60])
+def test_a_guess_settles_the_search_in_two_tries_when_it_is_right(guess):
+    """Right (37): two tries. Off: the search goes on from what the two tries showed and still finds 37."""
+    budget = 37 * ROW_BYTES + 64
+    blind = find_max_batch_size(allocating_step([]), CPU, budget)
+    found = find_max_batch_size(allocating_step([]), CPU, budget, guess=guess)
+    assert found.largest == blind.largest == 37 and found.first_failure == 38
+    assert found.trials[0] == (guess, guess <= 37)
+    assert len(found.trials) <= {37: 2}.get(guess, len(blind.trials)), found.trials
+    assert all(ran == (size <= 37) for size, ran in found.trials)
+
+
+def test_a_guess_at_the_limit_or_below_start_is_clamped():
+    found = find_max_batch_size(allocating_step([]), CPU, 10**9, limit=20, guess=500)
+    assert found.largest == 20 and found.trials == ((20, True),)
+    with pytest.raises(CapacityError, match="batch size 4 does not fit"):
+        find_max_batch_size(allocating_step([]), CPU, 2 * ROW_BYTES, start=4, guess=1)
+    with pytest.raises(ValueError, match="guess"):
+        find_max_batch_size(allocating_step([]), CPU, 10**9, guess=0)
+
+
+def _mlp_configuration(hidden: int = 128):
+    def build():
+        torch.manual_seed(0)
+        model = utils.MLP(8, hidden, 4)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(batch_size):
+            inputs, targets = torch.randn(batch_size, 8), torch.randint(0, 4, (batch_size,))
+            nn.functional.cross_entropy(model(inputs), targets).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return step, model, optimizer
+    return build
 
 
 def test_prediction_matches_the_search_on_a_linear_model():
-    def build():
-        torch.manual_seed(0)
-        return utils.MLP(8, 128, 4)
-
-    def make_batch(batch_size):
-        return torch.randn(batch_size, 8), torch.randint(0, 4, (batch_size,))
-
     # activations set the peak above ~100 rows here, so the prediction measures at 256 and 512
-    capacities = largest_batches(build, make_batch, nn.functional.cross_entropy, CPU, 2_000_000,
-                                 techniques={"fp32": Technique()}, small_batch=256)
+    capacities = largest_batches({"fp32": _mlp_configuration()}, CPU, 2_000_000, small_batch=256)
     capacity = capacities["fp32"]
     assert abs(capacity.predicted - capacity.found) <= capacity.search.resolution
+    assert len(capacity.search.trials) == 2, "a right prediction settles the search in two tries"
+    assert capacity.state_bytes == utils.predict_model_state(utils.MLP(8, 128, 4), "adamw").total_bytes
     assert gc.get_freeze_count() == 0, "nested freezes (largest_batches around the search) are all undone"
     with pytest.raises(ValueError, match="single technique"):
         what_to_try_first(capacities)
@@ -126,24 +164,68 @@ def test_prediction_matches_the_search_on_a_linear_model():
         what_to_try_first({"other": capacity})
     bigger = TechniqueCapacity(capacity.predicted, dataclasses.replace(capacity.search, largest=2 * capacity.found),
                                capacity.state_bytes, capacity.per_sample_bytes, capacity.fixed_bytes)
-    assert what_to_try_first({"fp32": capacity, "bf16 autocast": bigger}).startswith("try bf16 autocast first")
-    assert what_to_try_first({"fp32": capacity, "bf16 autocast": capacity}).startswith("no single technique")
+    assert what_to_try_first({"fp32": capacity, "autocast": bigger}).startswith("try autocast first")
+    assert what_to_try_first({"fp32": capacity, "autocast": capacity}).startswith("no single technique")
+    assert "autocast + checkpointing" not in what_to_try_first(
+        {"fp32": capacity, "autocast": capacity, "autocast + checkpointing": bigger}), "combinations are not singles"
+
+
+def test_the_probes_may_pass_the_budget_on_the_cpu():
+    """The tracker measures the probes whole even past the budget: the prediction still comes from them."""
+    capacities = largest_batches({"fp32": _mlp_configuration()}, CPU, 600_000, small_batch=256)
+    assert capacities["fp32"].found < 512 and abs(capacities["fp32"].predicted - capacities["fp32"].found) <= 1
+
+
+def test_largest_batches_rejects_what_is_not_a_configuration():
+    with pytest.raises(TypeError, match="must be a function returning"):
+        largest_batches({"fp32": 3}, CPU, 10**6)
+    with pytest.raises(TypeError, match="must return \\(step, model, optimizer\\)"):
+        largest_batches({"fp32": lambda: (lambda b: None, None)}, CPU, 10**6)
+    with pytest.raises(ValueError, match="small_batch"):
+        largest_batches({"fp32": _mlp_configuration()}, CPU, 10**6, small_batch=0)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        largest_batches({"fp32": _mlp_configuration()}, CPU, 0)
+
+
+def test_check_budget():
+    assert check_budget(CPU, 10**12) == 10**12     # the CPU tracker has no card to exceed
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ValueError, match="budget_bytes"):
+            check_budget(CPU, bad)
 
 
 def test_predict_max_batch_size_arithmetic_and_errors():
     assert predict_max_batch_size(1000, 1000 + 4 * 100 + 50, 1000 + 8 * 100 + 50, 4, 1000 + 50 + 1234) == (12, 100, 50)
+    assert predict_max_batch_size(1000, 1450, 1850, 4, 1000) == (0, 100, 50)
     with pytest.raises(ValueError, match="did not grow"):
         predict_max_batch_size(1000, 2000, 2000, 4, 10_000)
+    with pytest.raises(ValueError, match="small_batch"):
+        predict_max_batch_size(1000, 2000, 3000, 0, 10_000)
 
 
-def test_checkpoint_each_wraps_blocks_and_keeps_gradients():
-    torch.manual_seed(0)
-    model = utils.TinyTransformer(vocab_size=32, d_model=16, num_heads=2, num_layers=2, max_seq_len=8)
-    tokens = torch.randint(0, 32, (2, 8))
-    reference = torch.autograd.grad(model(tokens).sum(), list(model.parameters()))
-    model.blocks = checkpoint_each(model.blocks)
-    assert all(isinstance(block, Checkpointed) for block in model.blocks)
-    checkpointed = torch.autograd.grad(model(tokens).sum(), list(model.parameters()))
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(reference, checkpointed))
-    with pytest.raises(TypeError):
-        checkpoint_each(nn.Linear(2, 2))
+def test_on_cuda_the_budget_is_checked_against_the_card_and_each_try_starts_from_an_empty_cache(monkeypatch):
+    """The CUDA branches (fake torch.cuda: bookkeeping and API names, not numbers): a budget above the card is
+    refused before any work, each try empties the cache before the fraction is set, and the prediction's probes
+    run under the budget there (a CapacityError when twice the small batch does not fit)."""
+    from fake_cuda import MIB, FakeCuda
+
+    fake = FakeCuda(total_memory=64 * MIB).install(monkeypatch)
+    with pytest.raises(ValueError, match="exceeds cuda.*expected a budget the card can hold"):
+        check_budget("cuda", 65 * MIB)
+    with pytest.raises(ValueError, match="exceeds"):
+        find_max_batch_size(lambda size: None, "cuda", 65 * MIB)
+
+    def step(batch_size):
+        block = fake.alloc(MIB * batch_size)
+        del block
+
+    assert run_under_budget(step, 4, "cuda", 32 * MIB) is not None
+    names = [name for name, _, _ in fake.calls]
+    assert names.index("empty_cache") < names.index("set_per_process_memory_fraction")
+
+    def build():
+        model = nn.Linear(2, 2)
+        return step, model, torch.optim.SGD(model.parameters())
+
+    with pytest.raises(CapacityError, match="probe at batch 32 does not fit"):
+        largest_batches({"fp32": build}, "cuda", 24 * MIB, small_batch=16)

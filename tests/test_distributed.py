@@ -1,6 +1,7 @@
 """utils.parallel (predictions, launcher checks) and utils.distributed (the training script), plus the memory
 tracker's handling of DTensors and storages resized outside the dispatcher (notebook 11). No torchrun launch
-here: the script runs in-process as a one-rank job."""
+here: the script runs in-process as a one-rank job. Its CUDA branches (the NCCL choice, the allocator's live
+bytes) run against a fake torch.cuda in tests/test_cuda_paths.py."""
 
 from __future__ import annotations
 
@@ -97,8 +98,8 @@ def test_launch_refuses_bad_input_before_starting_anything(tmp_path):
         parallel.launch(2, strategies=["zero3"], out=tmp_path / "a")
     with pytest.raises(ValueError, match="cannot be split"):
         parallel.launch(3, strategies=["ddp"], out=tmp_path / "a", hidden=64)
-    with pytest.raises(ValueError, match="in_process runs one rank"):
-        parallel.launch(2, strategies=["ddp"], out=tmp_path / "a", in_process=True)
+    with pytest.raises(ValueError, match="device must be"):
+        parallel.launch(2, strategies=["ddp"], out=tmp_path / "a", device="tpu")
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "ddp_rank0.json").write_text("{}")
     with pytest.raises(FileExistsError, match="expected a new folder"):
@@ -149,10 +150,35 @@ def test_script_needs_torchrun(monkeypatch, tmp_path):
         script.build_parser().parse_args(["--strategy", "zero3", "--out", str(tmp_path)])
 
 
+def test_the_launcher_does_not_import_the_script_it_launches():
+    """DESIGN.md: utils.distributed (the launched script) may use utils.parallel, never the other way round."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(parallel))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not any("distributed" == name.split(".")[-1] and not name.startswith("torch") for name in imported if name), \
+        imported
+
+
+def test_launch_in_this_process_refuses_a_folder_with_results(tmp_path):
+    import utils.distributed as script
+
+    (tmp_path / "ddp_rank0.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="expected a new folder"):
+        script.launch_in_this_process(strategies=["ddp"], out=tmp_path)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        script.launch_in_this_process(strategies=["zero3"], out=tmp_path / "new")
+    assert not dist.is_initialized()
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_one_rank_run_in_process_matches_the_prediction(strategy, tmp_path):
-    result = parallel.launch(1, strategies=[strategy], out=tmp_path, hidden=16, micro_batch=4, steps=2,
-                             steps_per_epoch=1, in_process=True)
+    import utils.distributed as script
+
+    result = script.launch_in_this_process(strategies=[strategy], out=tmp_path, hidden=16, micro_batch=4, steps=2,
+                                           steps_per_epoch=1)
     assert not dist.is_initialized()
     record = result.ranks[strategy][0]
     psi, tensors = record["num_parameters"], record["num_tensors"]

@@ -41,8 +41,9 @@ CHECK_BUDGET_S = {"00_measuring_memory_and_time": 30, "01_parameter_footprint": 
                   "07_what_frees_memory": 25,
                   # subprocesses (a resumed run, killed writers, a SIGTERM) each import torch (~13 s)
                   "12_checkpoint_and_resume": 30,
-                  # six searches under a budget and a ladder of small compiles (aot_eager in check mode on a
-                  # CPU, so a cold Inductor cache does not matter) (~20 s)
+                  # nine searches under a budget (each confirming its prediction in two tries), a ladder of
+                  # small compiles (aot_eager in check mode on a CPU: a cold Inductor cache does not matter),
+                  # eleven wrong answers (~20 s)
                   "13_capstone_fit_then_fast": 40,
                   # process start dominates: each rank is a fresh Python that imports torch (~19 s)
                   "11_distributed_ddp_zero_fsdp": 40,
@@ -336,21 +337,21 @@ EXPECTED_FIGURES = {
         "spot_saving_fraction": lambda v, f: 0 < v < 0.9,
     },
     "13_capstone_fit_then_fast": {
+        "recipe_gradient_relative_error": lambda v, f: 0 <= v < 0.02,      # 16-bit rounding, not a wrong step
         "largest_batch_fp32": lambda v, f: v >= 1 and v == int(v),
-        "largest_batch_best": lambda v, f: v > f["largest_batch_fp32"],      # bf16 + checkpointing must gain
+        "largest_batch_best": lambda v, f: v > f["largest_batch_fp32"],      # autocast + checkpointing must gain
         "largest_batch_gain": lambda v, f: abs(v - f["largest_batch_best"] / f["largest_batch_fp32"]) < 1e-9,
         "oom_bytes_kept_by_the_error": lambda v, f: v > 0,
         "oom_bytes_left_after_recovery": lambda v, f: v == 0,
-        "accumulation_micro_batch": lambda v, f: 1 <= v <= f["largest_batch_fp32"],
+        "accumulation_micro_batch": lambda v, f: 1 <= v <= f["largest_batch_best"],
         "accumulation_effective_batch": lambda v, f: v == 4 * f["accumulation_micro_batch"],
         "sdpa_peak_ratio": lambda v, f: 0 < v < 1,                           # no T x T matrices kept
         "checkpoint_per_sample_saving": lambda v, f: 0 < v < 1,
-        "bf16_per_sample_saving": lambda v, f: 0 < v < 1,
+        "autocast_per_sample_saving": lambda v, f: 0 < v < 1,
         "conv_largest_batch_gain": lambda v, f: v >= 1,
         "ladder_top_speedup": lambda v, f: v > 0,
-        "bf16_rung_speedup": lambda v, f: v > 0,
+        "autocast_rung_speedup": lambda v, f: v > 0,
         "checkpoint_speed": lambda v, f: v > 0,
-        "conv_ladder_best_speedup": lambda v, f: v > 0,
     },
     "11_distributed_ddp_zero_fsdp": {
         "launch_seconds_n2": lambda v, f: v > 0,

@@ -7,9 +7,8 @@ Importing the package has no side effects (no seeding, no backend changes). The 
 from .activations import chunked_cross_entropy
 from .attention import (LayerActivations, attention_saved_bytes, layer_activation_bytes, padding_fraction,
                         playbook_layer_activation_bytes, sample_document_lengths)
-from .capacity import (TECHNIQUES, BatchSearch, CapacityError, Checkpointed, Technique, TechniqueCapacity,
-                       checkpoint_each, find_max_batch_size, largest_batches, make_train_step, predict_max_batch_size,
-                       run_under_budget, what_to_try_first)
+from .capacity import (BatchSearch, CapacityError, TechniqueCapacity, check_budget, find_max_batch_size,
+                       largest_batches, predict_max_batch_size, run_under_budget, what_to_try_first)
 from .env import (CHECK_MODE_VARIABLE, MEMORY_CLASSES_GB, autocast_dtype, build_dir, by_memory, check_mode,
                   device_memory_bytes, device_name, environment_report, memory_class_gb, pick_device, seed_everything,
                   supports_bf16)
@@ -36,9 +35,8 @@ __all__ = [
     "chunked_cross_entropy",
     "LayerActivations", "attention_saved_bytes", "layer_activation_bytes", "padding_fraction",
     "playbook_layer_activation_bytes", "sample_document_lengths",
-    "TECHNIQUES", "BatchSearch", "CapacityError", "Checkpointed", "Technique", "TechniqueCapacity", "checkpoint_each",
-    "find_max_batch_size", "largest_batches", "make_train_step", "predict_max_batch_size", "run_under_budget",
-    "what_to_try_first",
+    "BatchSearch", "CapacityError", "TechniqueCapacity", "check_budget", "find_max_batch_size", "largest_batches",
+    "predict_max_batch_size", "run_under_budget", "what_to_try_first",
     "CHECK_MODE_VARIABLE", "MEMORY_CLASSES_GB", "autocast_dtype", "build_dir", "by_memory", "check_mode",
     "device_memory_bytes", "device_name", "environment_report", "memory_class_gb", "pick_device", "seed_everything",
     "supports_bf16",

@@ -1,22 +1,31 @@
-"""The largest batch that fits: a search under a memory budget, a prediction, and per-technique comparisons.
+"""The largest batch that fits: a search under a memory budget, a prediction, and a comparison of configurations.
 
-Introduced in notebook 13. ``find_max_batch_size`` doubles the batch size until a training step runs
-out of memory, then bisects between the last size that ran and the first that did not (the search of
-Lightning's ``BatchSizeFinder`` in ``binsearch`` mode and of accelerate's
-``find_executable_batch_size``, which only halves). The budget is real on both devices: on CUDA
-``torch.cuda.set_per_process_memory_fraction``, on the CPU the exact tracker of ``utils.memory``,
-which raises ``torch.OutOfMemoryError`` when the tracked bytes would pass it, so the same search
-runs on a laptop.
+Introduced in notebook 13 (the capstone). These are instruments: the training step they measure is the
+reader's own (notebook 13 writes it in plain PyTorch: autocast, checkpointed blocks, accumulation, fused
+AdamW), passed in as ``step(batch_size)``.
 
-Recovering from out-of-memory properly matters more than the search: the exception's traceback
-holds the frames of the failed step, and those frames hold its activations. The search keeps no
-reference to the exception (it only notes that one happened, inside the ``except`` block, whose
-name Python deletes on leaving it), drops the failed step's gradients, then calls ``gc.collect()``
-and, on CUDA, ``torch.cuda.empty_cache()`` before the next try.
+``find_max_batch_size`` doubles the batch size until a training step runs out of memory, then bisects
+between the last size that ran and the first that did not (the search of Lightning's
+``BatchSizeFinder`` in ``binsearch`` mode; accelerate's ``find_executable_batch_size`` only halves).
+The budget is real on both devices: on the CPU the exact tracker of ``utils.memory`` raises
+``torch.OutOfMemoryError`` when the tracked bytes would pass it, so the same search runs on a laptop;
+on CUDA it is ``torch.cuda.set_per_process_memory_fraction``.
 
-``largest_batches`` runs the search for several techniques (bf16 autocast, checkpointing every
-block, a fused optimizer) on a reader's own model and batch function, and predicts each result
-first from two small measured batches.
+The two budgets count different things. The tracker counts the bytes of live tensor storages: the
+``model``/``optimizer`` followed from before each try, plus what the step allocates. The CUDA limit
+counts the caching allocator's *reserved* bytes (what it obtained with ``cudaMalloc``, its cache and
+rounding included), and the allocator checks it only when it asks the driver for more: blocks already
+in its cache are reused unchecked. So before each try under a CUDA budget the search empties the cache
+(``torch.cuda.empty_cache()``), or an earlier, larger run's cache would let the step pass the budget.
+
+Recovering from out-of-memory properly matters as much as the search: the exception's traceback holds
+the frames of the failed step, and those frames hold its activations. The search keeps no reference to
+the exception (it only notes that one happened, inside the ``except`` block, whose name Python deletes
+on leaving it), drops the failed step's gradients, then calls ``gc.collect()`` and, on CUDA,
+``torch.cuda.empty_cache()`` before the next try.
+
+``largest_batches`` predicts, then searches, the largest batch of several configurations of a
+reader's own step (each built fresh by a function the reader writes).
 """
 
 from __future__ import annotations
@@ -24,20 +33,22 @@ from __future__ import annotations
 import gc
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .checks import positive_int
 from .footprint import predict_model_state
 from .memory import measure_memory
 
+# what a configuration's factory returns: a fresh step(batch_size), and the model and optimizer it trains
+StepFactory = Callable[[], "tuple[Callable[[int], Any], nn.Module, torch.optim.Optimizer]"]
+
 
 class CapacityError(RuntimeError):
-    """The memory budget is too small for the smallest batch the search tries."""
+    """The memory budget is too small for the smallest batch the search (or the prediction's probe) tries."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,26 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def check_budget(device: torch.device | str, budget_bytes: int) -> int:
+    """Return ``budget_bytes`` if it is a positive int that the device can hold; a ValueError otherwise.
+
+    On CUDA a budget above the card's total memory cannot be enforced (a per-process fraction is at
+    most 1.0): it is refused here rather than silently clamped, so that "under N MiB" stays true.
+
+    Raises:
+        ValueError: not a positive int, or more than a CUDA device's total memory.
+    """
+    budget_bytes = positive_int("budget_bytes", budget_bytes, "bytes")
+    device = torch.device(device)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        if budget_bytes > total:
+            raise ValueError(f"budget_bytes={budget_bytes:,} ({budget_bytes / 2**20:,.0f} MiB) exceeds {device}'s "
+                             f"{total / 2**20:,.0f} MiB: expected a budget the card can hold (size it with "
+                             "utils.by_memory)")
+    return budget_bytes
+
+
 _frozen_depth = 0
 
 
@@ -98,21 +129,32 @@ def run_under_budget(step: Callable[[int], Any], batch_size: int, device: torch.
                      *, include: Any = None) -> int | None:
     """Run ``step(batch_size)`` once under a memory budget; the peak bytes, or None if it ran out of memory.
 
+    On CUDA the allocator's cache is emptied first, because the per-process limit is checked only when
+    the allocator asks the driver for memory (cached blocks are reused unchecked) and counts reserved
+    bytes, not allocated ones.
+
     Args:
         step: runs one training step at the batch size it is given.
-        batch_size: the size to try.
+        batch_size: the size to try (positive int).
         device: the device the step runs on.
-        budget_bytes: the budget in bytes (tracker on CPU, per-process fraction on CUDA).
+        budget_bytes: the budget in bytes (tracker on CPU, per-process fraction of reserved bytes on CUDA).
         include: tensors alive before the step that count against the budget on the CPU (the
             model and the optimizer): the tracker's baseline.
 
     Returns:
         The peak bytes (baseline included on CPU; ``max_memory_allocated`` on CUDA), or None.
 
+    Raises:
+        ValueError: a bad batch size, or a budget that is not a positive int or exceeds the CUDA device.
+
     Example:
         >>> run_under_budget(step, 8, "cpu", 64 * 2**20, include=[model, optimizer])
     """
     device = torch.device(device)
+    positive_int("batch_size", batch_size)
+    check_budget(device, budget_bytes)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()   # the limit is checked at cudaMalloc only: start from an empty cache
     ran = False
     peak = 0
     try:
@@ -127,10 +169,10 @@ def run_under_budget(step: Callable[[int], Any], batch_size: int, device: torch.
 
 def find_max_batch_size(step: Callable[[int], Any], device: torch.device | str, budget_bytes: int, *,
                         model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                        start: int = 1, limit: int = 65536) -> BatchSearch:
+                        start: int = 1, limit: int = 65536, guess: int | None = None) -> BatchSearch:
     """The largest batch size whose training step fits in a memory budget: double, then bisect.
 
-    Why: the largest batch is what memory techniques buy; searching it by hand is slow and a
+    Why: the largest batch is what memory techniques buy; searching it by hand is slow, and a
     search that does not recover from out-of-memory properly finds too small a batch (the failed
     step's tensors, held by the exception's traceback, are still allocated during the next try).
 
@@ -140,20 +182,23 @@ def find_max_batch_size(step: Callable[[int], Any], device: torch.device | str, 
         device: the device the step runs on.
         budget_bytes: the memory budget in bytes (positive int). On the CPU it counts the model and
             optimizer (``model``/``optimizer``, followed from before each try) plus what the step
-            allocates; on CUDA it is a per-process fraction of the GPU and counts everything the
-            process allocated on it.
+            allocates; on CUDA it is a per-process fraction of the GPU and counts the bytes the
+            caching allocator reserved (its cache is emptied before each try).
         model: the model being trained: its gradients are dropped after each try (a failed step can
             leave some behind) and, on CPU, its parameters count against the budget.
         optimizer: its state counts against the budget on the CPU.
         start: the first size tried (default 1).
         limit: the largest size tried (default 65536); the search stops there if it still runs.
+        guess: a predicted answer (``predict_max_batch_size``), or None. The search tries it and the
+            size above it first: when the guess runs and the size above does not, two tries settle
+            it; otherwise the search goes on from what they showed (doubling, then bisecting).
 
     Returns:
         A ``BatchSearch``: ``largest`` ran and ``largest + 1`` did not (or ``largest == limit``).
 
     Raises:
         CapacityError: the step runs out of memory at ``start`` already.
-        ValueError/TypeError: bad arguments.
+        ValueError/TypeError: bad arguments (a CUDA budget above the card's memory included).
 
     Example:
         >>> found = find_max_batch_size(step, "cpu", 256 * 2**20, model=model, optimizer=optimizer)
@@ -162,18 +207,20 @@ def find_max_batch_size(step: Callable[[int], Any], device: torch.device | str, 
     Known limitations:
         * A size that ran once is assumed to run again; a step whose memory varies between calls
           (data-dependent shapes) needs a margin.
-        * On CUDA the budget includes the caching allocator's reserve and fragmentation; on CPU
+        * On CUDA the budget includes the caching allocator's rounding and fragmentation; on CPU
           only tensor storage (not the allocator's own overhead, not oneDNN scratch space).
         * The tracker cannot see inside ``torch.compile``'d code: search eager code on the CPU.
     """
     if not callable(step):
         raise TypeError(f"step must be callable as step(batch_size), got {type(step).__name__}")
     device = torch.device(device)
-    budget_bytes = positive_int("budget_bytes", budget_bytes)
+    budget_bytes = check_budget(device, budget_bytes)
     start = positive_int("start", start)
     limit = positive_int("limit", limit)
     if start > limit:
         raise ValueError(f"start ({start}) must not exceed limit ({limit})")
+    if guess is not None:
+        guess = min(max(positive_int("guess", guess), start), limit)
     include = [obj for obj in (model, optimizer) if obj is not None]
     trials: list[tuple[int, bool]] = []
     peaks: dict[int, int] = {}
@@ -192,16 +239,28 @@ def find_max_batch_size(step: Callable[[int], Any], device: torch.device | str, 
     # the objects that exist now (the model, the library) are not garbage; each collection after a
     # failure then scans only what the search created, which makes it milliseconds, not half a second
     with _gc_frozen():
-        return _search(attempt, start, limit, budget_bytes, trials, peaks)
+        return _search(attempt, start, limit, budget_bytes, trials, peaks, guess)
 
 
 def _search(attempt: Callable[[int], bool], start: int, limit: int, budget_bytes: int,
-            trials: list[tuple[int, bool]], peaks: dict[int, int]) -> BatchSearch:
-    if not attempt(start):
-        raise CapacityError(f"a training step at batch size {start} does not fit in the budget of "
-                            f"{budget_bytes:,} bytes ({budget_bytes / 2**20:,.2f} MiB): raise the budget or "
-                            f"shrink the model (its state alone may not fit)")
-    good, bad = start, None
+            trials: list[tuple[int, bool]], peaks: dict[int, int], guess: int | None) -> BatchSearch:
+    good: int | None = None
+    bad: int | None = None
+    if guess is not None:                      # confirm a prediction: the guess runs, the size above does not
+        if attempt(guess):
+            good = guess
+            if guess < limit and attempt(guess + 1):
+                good = guess + 1
+            elif guess < limit:
+                bad = guess + 1
+        else:
+            bad = guess
+    if good is None:
+        if bad == start or not attempt(start):
+            raise CapacityError(f"a training step at batch size {start} does not fit in the budget of "
+                                f"{budget_bytes:,} bytes ({budget_bytes / 2**20:,.2f} MiB): raise the budget or "
+                                f"shrink the model (its state alone may not fit)")
+        good = start
     while bad is None and good < limit:        # double until out of memory
         size = min(2 * good, limit)
         if attempt(size):
@@ -218,103 +277,9 @@ def _search(attempt: Callable[[int], bool], start: int, limit: int, budget_bytes
                        budget_bytes=budget_bytes)
 
 
-class Checkpointed(nn.Module):
-    """Wraps a module so that its forward is recomputed in backward (non-reentrant checkpoint).
-
-    Args:
-        module: the module whose activations are not kept (a transformer block, a conv block).
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"expected an nn.Module, got {type(module).__name__}")
-        self.module = module
-
-    def forward(self, *args: Any) -> Any:
-        return checkpoint(self.module, *args, use_reentrant=False)
-
-
-def checkpoint_each(blocks: nn.ModuleList | nn.Sequential) -> nn.ModuleList | nn.Sequential:
-    """The same container with every block wrapped in ``Checkpointed`` (the weights are shared, not copied).
-
-    Example:
-        >>> model.blocks = checkpoint_each(model.blocks)
-    """
-    if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
-        raise TypeError(f"expected an nn.ModuleList or nn.Sequential of blocks, got {type(blocks).__name__}")
-    wrapped = [Checkpointed(block) for block in blocks]
-    return nn.Sequential(*wrapped) if isinstance(blocks, nn.Sequential) else nn.ModuleList(wrapped)
-
-
-def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-                    make_batch: Callable[[int], tuple[Any, torch.Tensor]],
-                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
-                    autocast_dtype: torch.dtype | None = None, micro_batches: int = 1) -> Callable[[int], float]:
-    """A function ``step(batch_size)`` that runs one training step; returns the loss as a float.
-
-    Args:
-        model: the model (already on its device).
-        optimizer: its optimizer.
-        make_batch: ``make_batch(batch_size) -> (inputs, targets)`` on the model's device.
-        loss_fn: ``loss_fn(outputs, targets) -> scalar``.
-        autocast_dtype: run forward under ``torch.autocast`` in this dtype (``torch.bfloat16``), or None.
-        micro_batches: gradient accumulation: each step runs this many micro-batches of
-            ``batch_size`` (the loss divided by their number) before one optimizer step.
-
-    Example:
-        >>> step = make_train_step(model, optimizer, batch_fn, nn.functional.cross_entropy)
-        >>> loss = step(32)
-    """
-    positive_int("micro_batches", micro_batches)
-    device_type = next(model.parameters()).device.type
-
-    def step(batch_size: int) -> float:
-        total = 0.0
-        for _ in range(micro_batches):
-            inputs, targets = make_batch(batch_size)
-            with torch.autocast(device_type, dtype=autocast_dtype or torch.float32,
-                                enabled=autocast_dtype is not None):
-                outputs = model(inputs)
-            loss = loss_fn(outputs.float(), targets) / micro_batches
-            loss.backward()
-            total += loss.item()
-            del inputs, targets, outputs, loss
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return total
-
-    return step
-
-
-@dataclass(frozen=True)
-class Technique:
-    """One configuration of the training step.
-
-    Attributes:
-        bf16: forward under bf16 autocast.
-        checkpoint: every block of ``model.<blocks>`` checkpointed.
-        fused: ``AdamW(fused=True)`` instead of the default implementation.
-    """
-
-    bf16: bool = False
-    checkpoint: bool = False
-    fused: bool = False
-
-
-TECHNIQUES: dict[str, Technique] = {
-    "fp32": Technique(),
-    "bf16 autocast": Technique(bf16=True),
-    "checkpoint every block": Technique(checkpoint=True),
-    "fused AdamW": Technique(fused=True),
-    "bf16 + checkpoint": Technique(bf16=True, checkpoint=True),
-    "bf16 + checkpoint + fused AdamW": Technique(bf16=True, checkpoint=True, fused=True),
-}
-
-
 @dataclass(frozen=True)
 class TechniqueCapacity:
-    """Predicted and found largest batch of one technique.
+    """Predicted and found largest batch of one configuration of a training step.
 
     Attributes:
         predicted: the largest batch predicted from the model state and two small measured batches.
@@ -348,6 +313,13 @@ def predict_max_batch_size(state_bytes: int, peak_small: int, peak_double: int, 
     Returns:
         ``(predicted_batch, per_sample_bytes, fixed_bytes)``; ``predicted_batch`` is 0 when not even
         one sample fits.
+
+    Raises:
+        ValueError: ``small_batch`` is not a positive int, or the peak did not grow with the batch.
+
+    Example:
+        >>> predict_max_batch_size(1000, 1450, 1850, 4, 2284)
+        (12, 100, 50)
     """
     small_batch = positive_int("small_batch", small_batch)
     per_sample = (peak_double - peak_small) // small_batch
@@ -359,69 +331,79 @@ def predict_max_batch_size(state_bytes: int, peak_small: int, peak_double: int, 
     return predicted, per_sample, fixed
 
 
-def build_technique(build_model: Callable[[], nn.Module], technique: Technique, *, blocks: str = "blocks",
-                    lr: float = 1e-3) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A fresh model and AdamW optimizer configured for ``technique`` (checkpointing, fused)."""
-    model = build_model()
-    if technique.checkpoint:
-        if not hasattr(model, blocks):
-            raise ValueError(f"checkpointing needs the model's blocks as model.{blocks} (a ModuleList/Sequential)")
-        setattr(model, blocks, checkpoint_each(getattr(model, blocks)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True if technique.fused else None)
-    return model, optimizer
+def largest_batches(configurations: Mapping[str, StepFactory], device: torch.device | str, budget_bytes: int, *,
+                    small_batch: int = 16, limit: int = 65536) -> dict[str, TechniqueCapacity]:
+    """Predict, then search, the largest batch of each configuration of a reader's own training step.
 
-
-def largest_batches(build_model: Callable[[], nn.Module], make_batch: Callable[[int], tuple[Any, torch.Tensor]],
-                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device | str,
-                    budget_bytes: int, *, techniques: Mapping[str, Technique] | None = None,
-                    blocks: str = "blocks", small_batch: int = 16, limit: int = 65536) -> dict[str, TechniqueCapacity]:
-    """Predict, then search, the largest batch of each technique on a reader's own model.
+    Each configuration is a function that builds a fresh model and optimizer and returns
+    ``(step, model, optimizer)``, where ``step(batch_size)`` runs one full training step (the
+    reader's code: autocast, checkpointing, accumulation, whatever the configuration uses). For each,
+    one step at batch 1 creates the optimizer state; the peaks at ``small_batch`` and twice it
+    give the prediction (measured whole by the CPU tracker, even past the budget; under the budget on
+    CUDA); then ``find_max_batch_size`` searches, trying the prediction first (two tries when it is
+    right, the whole doubling and bisection when it is not).
 
     Args:
-        build_model: returns a fresh model on ``device`` (called once per technique).
-        make_batch: ``make_batch(batch_size) -> (inputs, targets)`` on ``device``.
-        loss_fn: ``loss_fn(outputs, targets) -> scalar loss``.
-        device: where to train.
+        configurations: name -> factory, as above (called once each).
+        device: where the steps run.
         budget_bytes: the memory budget in bytes.
-        techniques: name -> ``Technique`` (default ``TECHNIQUES``).
-        blocks: the attribute holding the model's blocks, for checkpointing.
-        small_batch: the prediction measures the peaks at this batch and twice it.
+        small_batch: the prediction measures the peaks at this batch and twice it: large enough that
+            the phase that sets the peak near the budget (often the recomputation, with checkpointing)
+            sets it at the probes too; on CUDA small enough that twice it fits the budget.
         limit: the largest batch the search tries.
 
     Returns:
         name -> ``TechniqueCapacity`` (predicted and found largest batch).
 
+    Raises:
+        CapacityError: on CUDA, a probe at ``small_batch`` or ``2 * small_batch`` does not fit the budget.
+        TypeError: a configuration is not callable or does not return ``(step, model, optimizer)``.
+
     Example:
-        >>> found = largest_batches(lambda: MyNet().to(dev), batch_fn, F.cross_entropy, dev, 2 * 2**30)
-        >>> {name: c.found for name, c in found.items()}
+        >>> def fp32():
+        ...     model = MyNet().to(dev); optimizer = torch.optim.AdamW(model.parameters())
+        ...     return (lambda b: my_step(model, optimizer, *make_batch(b))), model, optimizer
+        >>> found = largest_batches({"fp32": fp32}, dev, 2 * 2**30)
+        >>> found["fp32"].found
 
     Known limitations:
-        Each technique's model trains for a few real steps. The prediction assumes the peak is
+        Each configuration's model trains for a few real steps. The prediction assumes the peak is
         linear in the batch (true for fixed-shape models; false with data-dependent shapes).
     """
     device = torch.device(device)
+    budget_bytes = check_budget(device, budget_bytes)
+    small_batch = positive_int("small_batch", small_batch)
     results: dict[str, TechniqueCapacity] = {}
-    with _gc_frozen():   # each technique's release below then scans only that technique's objects
-        for name, technique in (TECHNIQUES if techniques is None else techniques).items():
-            if not isinstance(technique, Technique):
-                raise TypeError(f"techniques[{name!r}] must be a utils.capacity.Technique, "
-                                f"got {type(technique).__name__}")
-            model, optimizer = build_technique(build_model, technique, blocks=blocks)
-            step = make_train_step(model, optimizer, make_batch, loss_fn,
-                                   autocast_dtype=torch.bfloat16 if technique.bf16 else None)
+    with _gc_frozen():   # each configuration's release below then scans only that configuration's objects
+        for name, factory in configurations.items():
+            if not callable(factory):
+                raise TypeError(f"configurations[{name!r}] must be a function returning (step, model, optimizer), "
+                                f"got {type(factory).__name__}")
+            built = factory()
+            if not (isinstance(built, tuple) and len(built) == 3 and callable(built[0])
+                    and isinstance(built[1], nn.Module) and isinstance(built[2], torch.optim.Optimizer)):
+                raise TypeError(f"configurations[{name!r}]() must return (step, model, optimizer)")
+            step, model, optimizer = built
             step(1)                                          # creates the optimizer state before measuring
+            model.zero_grad(set_to_none=True)
             state = predict_model_state(model, "adamw").total_bytes
             peaks = []
             for size in (small_batch, 2 * small_batch):
-                peak = run_under_budget(step, size, device, 2**62, include=[model, optimizer])
-                if peak is None:   # no budget was set: the device itself ran out of memory
-                    raise CapacityError(f"technique {name!r}: a training step at batch {size} (the prediction's "
-                                        f"probe) ran out of the device's own memory; pass a smaller small_batch")
+                # the tracker cannot run out: it measures the probes whole, even past the budget; on CUDA
+                # they run under the budget, so that a probe never takes the card's memory
+                probe_budget = budget_bytes if device.type == "cuda" else 2**62
+                peak = run_under_budget(step, size, device, probe_budget, include=[model, optimizer])
+                model.zero_grad(set_to_none=True)
+                if peak is None:
+                    raise CapacityError(f"configuration {name!r}: the prediction's probe at batch {size} does not "
+                                        f"fit the budget of {budget_bytes / 2**20:,.1f} MiB: pass a smaller "
+                                        "small_batch (or a larger budget)")
                 peaks.append(peak)
             predicted, per_sample, fixed = predict_max_batch_size(state, peaks[0], peaks[1], small_batch, budget_bytes)
-            search = find_max_batch_size(step, device, budget_bytes, model=model, optimizer=optimizer, limit=limit)
+            search = find_max_batch_size(step, device, budget_bytes, model=model, optimizer=optimizer, limit=limit,
+                                         guess=max(1, predicted))
             results[name] = TechniqueCapacity(predicted, search, state, per_sample, fixed)
-            del model, optimizer, step
+            del built, step, model, optimizer
             _release(device)
     return results
 
@@ -429,9 +411,14 @@ def largest_batches(build_model: Callable[[], nn.Module], make_batch: Callable[[
 def what_to_try_first(capacities: Mapping[str, TechniqueCapacity], baseline: str = "fp32") -> str:
     """A sentence, computed from the results, naming the single technique that buys the most batch.
 
+    Single techniques are the configurations whose name has no ``+`` (combinations have one).
+
     Args:
         capacities: what ``largest_batches`` returned.
         baseline: the name of the configuration without techniques.
+
+    Raises:
+        ValueError: no ``baseline`` entry, or no single technique besides it.
     """
     if baseline not in capacities:
         raise ValueError(f"capacities has no {baseline!r} entry to compare with; it has {sorted(capacities)}")

@@ -7,7 +7,9 @@ Introduced in notebook 11, with ``utils.distributed`` (the training script this 
   ``utils.bytes_per_parameter``.
 * ``launch``: runs ``python -m torch.distributed.run --standalone --nproc-per-node N -m
   utils.distributed ...`` as a subprocess with a timeout and reads every rank's JSON back; a
-  failing rank makes it raise ``LaunchError`` with that rank's error, never hang.
+  failing rank makes it raise ``LaunchError`` with that rank's error, never hang. The script may
+  use this module; this module never imports the script (one rank in-process is
+  ``utils.distributed.launch_in_this_process``).
 * ``RunConfig``, ``step_indices``, ``train_single_process``: what every rank trains, and the
   single-process reference (one process, the whole global batch) it must agree with.
 
@@ -348,30 +350,68 @@ def torchrun_command(nproc: int, script_args: Sequence[str], port: int | None = 
             "-m", "utils.distributed", *[str(a) for a in script_args]]
 
 
-def launch(nproc: int, *, strategies: Sequence[str], out: Path | str, hidden: int = 64, layers: int = 4,
-           micro_batch: int = 8, steps: int = 4, steps_per_epoch: int = 2, accumulation_steps: Sequence[int] = (1,),
-           lr: float = 1e-2, seed: int = 0, save_at: Sequence[int] = (), checkpoint_dir: Path | str | None = None,
-           resume_from: Path | str | None = None, kill_rank: int | None = None, device: str = "auto",
-           timeout_s: float = 120.0, collective_timeout_s: float = 30.0, port: int | None = None,
-           in_process: bool = False) -> LaunchResult:
+def script_arguments(*, strategies: Sequence[str], out: Path | str, hidden: int = 64, layers: int = 4,
+                     micro_batch: int = 8, steps: int = 4, steps_per_epoch: int = 2,
+                     accumulation_steps: Sequence[int] = (1,), lr: float = 1e-2, seed: int = 0,
+                     save_at: Sequence[int] = (), checkpoint_dir: Path | str | None = None,
+                     resume_from: Path | str | None = None, kill_rank: int | None = None,
+                     collective_timeout_s: float = 30.0) -> list[str]:
+    """The command-line arguments of ``python -m utils.distributed`` for a run (``--device`` aside).
+
+    Args:
+        strategies: one or more of ``STRATEGIES``, run one after another in the same processes.
+        out: the folder for the results.
+        hidden, layers, micro_batch, steps, steps_per_epoch, accumulation_steps, lr, seed: the run.
+        save_at, checkpoint_dir, resume_from, kill_rank: sharded checkpoints of the ``fsdp`` run.
+        collective_timeout_s: each collective's limit inside the ranks, seconds.
+
+    Raises:
+        ValueError: an unknown strategy.
+    """
+    for strategy in strategies:
+        check_strategy(strategy)
+    args = ["--strategy", ",".join(strategies), "--accumulation-steps", ",".join(str(k) for k in accumulation_steps),
+            "--hidden", hidden, "--layers", layers, "--micro-batch", micro_batch, "--steps", steps,
+            "--steps-per-epoch", steps_per_epoch, "--lr", lr, "--seed", seed, "--out", out,
+            "--timeout-s", collective_timeout_s]
+    if save_at:
+        args += ["--save-at", ",".join(str(s) for s in save_at), "--checkpoint-dir", checkpoint_dir]
+    if resume_from is not None:
+        args += ["--resume-from", resume_from]
+    if kill_rank is not None:
+        args += ["--kill-rank", kill_rank]
+    return [str(a) for a in args]
+
+
+def check_new_results_folder(out: Path | str) -> Path:
+    """``out`` as a Path if it holds no results yet; a FileExistsError otherwise (results are never overwritten)."""
+    out = Path(out)
+    if out.exists() and any(out.glob("*_rank*.json")):
+        raise FileExistsError(f"{out} holds results already: expected a new folder (remove it yourself to rerun)")
+    return out
+
+
+def launch(nproc: int, *, strategies: Sequence[str], out: Path | str, hidden: int = 64, device: str = "auto",
+           timeout_s: float = 120.0, port: int | None = None, **run: object) -> LaunchResult:
     """Launch the training script on ``nproc`` ranks with torchrun and read back every rank's JSON.
 
     Everything is checked before a process starts (strategies, world size against the model,
-    port), so a wrong argument is a ValueError here rather than a failed launch.
+    port, the results folder), so a wrong argument is a ValueError here rather than a failed
+    launch. One rank needs no launcher: ``utils.distributed.launch_in_this_process`` runs it inside
+    the calling process (this module does not import the script it launches).
 
     Args:
         nproc: ranks (processes) on this machine.
         strategies: one or more of ``STRATEGIES``, run one after another in the same processes.
         out: a new folder for the results (an existing one with results in it is refused).
-        hidden, layers, micro_batch, steps, steps_per_epoch, accumulation_steps, lr, seed: the run.
-        save_at, checkpoint_dir, resume_from, kill_rank: sharded checkpoints of the ``fsdp`` run.
+        hidden: width of every layer (must be divisible by ``nproc``).
         device: ``"auto"``, ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one GPU per rank).
         timeout_s: the whole launch's limit, seconds: beyond it every process is killed.
-        collective_timeout_s: each collective's limit inside the ranks.
         port: ``None`` lets torchrun's ``--standalone`` rendezvous take a free port; a number
             must be free (else OSError).
-        in_process: with ``nproc=1`` only: run the one rank inside this process
-            (``utils.distributed.run_in_this_process``, CPU), no torchrun and no process start.
+        **run: the rest of the run, as ``script_arguments`` takes it (``layers``, ``micro_batch``,
+            ``steps``, ``steps_per_epoch``, ``accumulation_steps``, ``lr``, ``seed``, ``save_at``,
+            ``checkpoint_dir``, ``resume_from``, ``kill_rank``, ``collective_timeout_s``).
 
     Returns:
         A ``LaunchResult``.
@@ -383,33 +423,13 @@ def launch(nproc: int, *, strategies: Sequence[str], out: Path | str, hidden: in
         >>> result = launch(2, strategies=["ddp"], out=utils.build_dir() / "11_ddp")
         >>> result.ranks["ddp"][1]["end_of_step_bytes"]
     """
-    for strategy in strategies:
-        check_strategy(strategy)
+    args = script_arguments(strategies=strategies, out=out, hidden=hidden, **run)
     check_world_size(nproc, hidden)
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     if port is not None:
         check_port_free(port)
-    out = Path(out)
-    if out.exists() and any(out.glob("*_rank*.json")):
-        raise FileExistsError(f"{out} holds results already: expected a new folder (remove it yourself to rerun)")
-    args = ["--strategy", ",".join(strategies), "--accumulation-steps", ",".join(str(k) for k in accumulation_steps),
-            "--hidden", hidden, "--layers", layers, "--micro-batch", micro_batch, "--steps", steps,
-            "--steps-per-epoch", steps_per_epoch, "--lr", lr, "--seed", seed, "--out", out,
-            "--timeout-s", collective_timeout_s]
-    if save_at:
-        args += ["--save-at", ",".join(str(s) for s in save_at), "--checkpoint-dir", checkpoint_dir]
-    if resume_from is not None:
-        args += ["--resume-from", resume_from]
-    if kill_rank is not None:
-        args += ["--kill-rank", kill_rank]
-    if in_process:
-        if nproc != 1:
-            raise ValueError(f"in_process runs one rank: expected nproc=1, got {nproc}")
-        from .distributed import run_in_this_process
-
-        started_at, began = time.time(), time.perf_counter()
-        run_in_this_process([str(a) for a in args])
-        return _read_results(LaunchResult(command=["(in this process)", *[str(a) for a in args]],
-                                          seconds=time.perf_counter() - began, out=out, started_at=started_at))
+    out = check_new_results_folder(out)
     command = torchrun_command(nproc, [*args, "--device", device], port)
     environment = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                    "PYTHONUNBUFFERED": "1", "MPLBACKEND": "Agg"}
@@ -421,20 +441,21 @@ def launch(nproc: int, *, strategies: Sequence[str], out: Path | str, hidden: in
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
-        partial = _read_results(LaunchResult([str(c) for c in command], time.perf_counter() - began, out=out,
-                                             stderr=stderr, started_at=started_at))
+        partial = read_results(LaunchResult([str(c) for c in command], time.perf_counter() - began, out=out,
+                                            stderr=stderr, started_at=started_at))
         raise LaunchError(f"the launch did not finish in {timeout_s} s and was killed (every rank); "
                           f"rank errors so far:\n{rank_errors(stderr) or stderr[-2000:]}", None, stderr,
                           partial) from None
-    result = _read_results(LaunchResult([str(c) for c in command], time.perf_counter() - began, out=out,
-                                        stderr=stderr, started_at=started_at))
+    result = read_results(LaunchResult([str(c) for c in command], time.perf_counter() - began, out=out,
+                                       stderr=stderr, started_at=started_at))
     if process.returncode != 0:
         raise LaunchError(f"torchrun exited with status {process.returncode}; the failing rank said:\n"
                           f"{rank_errors(stderr) or stderr[-3000:]}", process.returncode, stderr, result)
     return result
 
 
-def _read_results(result: LaunchResult) -> LaunchResult:
+def read_results(result: LaunchResult) -> LaunchResult:
+    """Fill ``result.ranks`` from the ``<label>_rank<r>.json`` files in ``result.out`` (sorted by rank); returns it."""
     out = result.out
     for path in sorted(out.glob("*_rank*.json")) if out.exists() else []:
         record = json.loads(path.read_text())

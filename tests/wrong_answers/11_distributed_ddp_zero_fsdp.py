@@ -1,0 +1,88 @@
+"""Wrong answers to notebook 11's exercises: each replaces the solution cell, and the graded cell must fail on it."""
+
+_UPDATE = '''
+def zero1_update(models, optimizers):
+    for optimizer in optimizers:
+        optimizer.step()
+    with torch.no_grad():
+        for rank, optimizer in enumerate(optimizers):
+            owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            for index, parameter in enumerate(models[rank].parameters()):
+                if id(parameter) in owned:
+                    for other in models:
+                        list(other.parameters())[index].copy_(parameter)
+'''
+
+_BALANCED = '''
+def zero1_optimizers(models):
+    sizes = {name: p.numel() for name, p in models[0].named_parameters()}
+    shares, loads = [[] for _ in models], [0] * len(models)
+    for name in sorted(sizes, key=sizes.get, reverse=True):
+        rank = loads.index(min(loads))
+        shares[rank].append(name)
+        loads[rank] += sizes[name]
+    return [torch.optim.AdamW([dict(model.named_parameters())[n] for n in share], lr=LEARNING_RATE, foreach=False)
+            for model, share in zip(models, shares)]
+'''
+
+WRONG = {
+    "exercise_1": {
+        "every rank's optimizer holds all the parameters (DDP's state, nothing sharded)": '''
+def zero1_optimizers(models):
+    return [torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, foreach=False) for model in models]
+''' + _UPDATE,
+        "shares by position (every other tensor: all the weights on rank 0), not balanced by size": '''
+def zero1_optimizers(models):
+    return [torch.optim.AdamW(list(model.parameters())[rank::len(models)], lr=LEARNING_RATE, foreach=False)
+            for rank, model in enumerate(models)]
+''' + _UPDATE,
+        "no broadcast: each rank updates its share, the other replicas never see it": _BALANCED + '''
+def zero1_update(models, optimizers):
+    for optimizer in optimizers:
+        optimizer.step()
+''',
+        "broadcasts before stepping (the other replicas get the weights from before the update)": _BALANCED + '''
+def zero1_update(models, optimizers):
+    with torch.no_grad():
+        for rank, optimizer in enumerate(optimizers):
+            owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            for index, parameter in enumerate(models[rank].parameters()):
+                if id(parameter) in owned:
+                    for other in models:
+                        list(other.parameters())[index].copy_(parameter)
+    for optimizer in optimizers:
+        optimizer.step()
+''',
+    },
+    "exercise_2": {
+        "broadcasts from the last rank (the replicas agree, on rank 1's initial weights)": '''
+def broadcast_from_rank0(models):
+    with torch.no_grad():
+        for *replicas, source in zip(*(model.parameters() for model in models)):
+            for replica in replicas:
+                replica.copy_(source)
+''',
+        "copies the weights only, not the biases": '''
+def broadcast_from_rank0(models):
+    with torch.no_grad():
+        for (name, source), *replicas in zip(*(model.named_parameters() for model in models)):
+            if name.endswith("weight"):
+                for _, replica in replicas:
+                    replica.copy_(source)
+''',
+        "shares rank 0's tensors instead of copying them (replica.data = source.data)": '''
+def broadcast_from_rank0(models):
+    for source, *replicas in zip(*(model.parameters() for model in models)):
+        for replica in replicas:
+            replica.data = source.data
+''',
+        "averages the replicas (an all-reduce, not a broadcast)": '''
+def broadcast_from_rank0(models):
+    with torch.no_grad():
+        for parameters in zip(*(model.parameters() for model in models)):
+            average = sum(p.detach().clone() for p in parameters) / len(parameters)
+            for parameter in parameters:
+                parameter.copy_(average)
+''',
+    },
+}
