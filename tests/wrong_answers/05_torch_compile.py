@@ -2,14 +2,7 @@
 
 WRONG = {
     "exercise_1": {
-        "keeps the print: Dynamo cannot put it in a graph, so fullgraph=True refuses it": '''
-def leaky_fixed(x):
-    y = x * 3
-    print("scaling done")
-    peak = y.max()
-    return torch.nn.functional.leaky_relu(torch.where(peak > 1, y / peak, y))
-''',
-        "keeps .item(): a Python number from a tensor is still a graph break": '''
+        "removes only the print: .item() still turns a tensor into a Python number, a graph break": '''
 def leaky_fixed(x):
     y = x * 3
     if y.max().item() > 1:
@@ -27,11 +20,6 @@ def leaky_fixed(x):
 def leaky_fixed(x):
     y = x * 3
     return torch.nn.functional.leaky_relu(y / y.max())
-''',
-        "tests x instead of y = 3x: a different threshold": '''
-def leaky_fixed(x):
-    y = x * 3
-    return torch.nn.functional.leaky_relu(torch.where(x.max() > 1, y / y.max(), y))
 ''',
         "divides by the largest magnitude, not the largest value": '''
 def leaky_fixed(x):
