@@ -111,7 +111,8 @@ def test_playbook_formula_and_its_difference_from_the_block():
     ours = utils.layer_activation_bytes(b, s, h, a, dtype=torch.bfloat16, attention="naive")
     # the block lacks dropout (2·s·b·h masks, 3·a·s²·b for attention's) and keeps the statistics and the mask
     extra = 4 * s * b * 2 + s * s
-    assert ours.total_bytes + 2 * s * b * h + 3 * a * s * s * b - extra == utils.playbook_layer_activation_bytes(s, b, h, a)
+    dropout = 2 * s * b * h + 3 * a * s * s * b
+    assert ours.total_bytes + dropout - extra == utils.playbook_layer_activation_bytes(s, b, h, a)
 
 
 def test_padding_fraction():
@@ -151,7 +152,8 @@ def test_sample_document_lengths():
     (lambda: utils.padding_fraction([3, 5], pad_to=4), r"pad_to \(4\) must be at least the longest document \(5"),
     (lambda: utils.sample_document_lengths(0, mean_length=10, max_length=20), "num_documents must be a positive int"),
     (lambda: utils.sample_document_lengths(4, mean_length=0, max_length=20), "mean_length must be a finite number > 0"),
-    (lambda: utils.sample_document_lengths(4, mean_length=10, max_length=2, min_length=3), r"min_length \(3\) must not"),
+    (lambda: utils.sample_document_lengths(4, mean_length=10, max_length=2, min_length=3),
+     r"min_length \(3\) must not"),
 ])
 def test_bad_input_gets_a_clear_error(call, message):
     with pytest.raises(ValueError, match=message):

@@ -33,7 +33,8 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 def _element_bytes(dtype: torch.dtype) -> int:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype (torch.float32, torch.bfloat16, ...), got {dtype!r}")
+        raise TypeError(f"dtype must be a floating-point torch.dtype (torch.float32, torch.bfloat16, ...), "
+                        f"got {dtype!r}")
     return torch.empty((), dtype=dtype).element_size()
 
 
@@ -156,8 +157,9 @@ def layer_activation_bytes(batch: int, seq_len: int, d_model: int, num_heads: in
         Exact on the CPU for the block's forward as ``utils.TransformerBlock`` writes it (q, k and v as views
         of one projection). Which tensors are copies depends on layout: with the math backend in fp32 and
         ``batch == 1`` or one head, v reaches the batched matmul as a view, so the whole qkv projection
-        stays (two vectors more per token) instead of a copy of v. On CUDA the fused kernels also keep their RNG seed and offset (a few bytes) and
-        the memory-efficient kernel pads the log-sum-exp to a multiple of 32 rows.
+        stays (two vectors more per token) instead of a copy of v. On CUDA the fused kernels also keep their
+        RNG seed and offset (a few bytes) and the memory-efficient kernel pads the log-sum-exp to a multiple
+        of 32 rows.
     """
     for name, value in [("batch", batch), ("seq_len", seq_len), ("d_model", d_model), ("num_heads", num_heads),
                         ("mlp_ratio", mlp_ratio)]:
@@ -216,7 +218,8 @@ def _lengths(lengths: Sequence[int]) -> list[int]:
     if isinstance(lengths, torch.Tensor):
         lengths = lengths.tolist()
     if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence) or len(lengths) == 0:
-        raise ValueError(f"lengths must be a non-empty sequence of positive ints (tokens per document), got {lengths!r}")
+        raise ValueError(f"lengths must be a non-empty sequence of positive ints (tokens per document), "
+                         f"got {lengths!r}")
     for index, length in enumerate(lengths):
         positive_int(f"lengths[{index}]", length, "tokens in that document")
     return list(lengths)
