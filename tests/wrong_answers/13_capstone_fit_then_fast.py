@@ -39,20 +39,6 @@ WRONG = {
             _MODEL_PLAIN + _step(),
         "checkpointing in fp32, no autocast (the micro-batch does not fit)":
             _MODEL_CHECKPOINTED + _step(dtype="torch.float32"),
-        "the whole model checkpointed as one segment (backward recomputes everything at once)": '''
-class WholeModel(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens):
-        return checkpoint(self.model, tokens, use_reentrant=False)
-
-
-def my_model_and_optimizer():
-    model = WholeModel(build_transformer())
-    return model, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
-''' + _step(),
         "fp32 in four times as many micro-batches (fits, but not in ACCUMULATION_STEPS passes)":
             _MODEL_PLAIN + _step(micro_batches="4 * ACCUMULATION_STEPS", dtype="torch.float32"),
     },
