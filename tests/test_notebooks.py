@@ -50,7 +50,7 @@ CHECK_BUDGET_S = {"00_measuring_memory_and_time": 30, "01_parameter_footprint": 
                   # three one-block compiles on aot_eager_decomp_partition, no Inductor: a cold cache costs
                   # nothing (~15 s)
                   "08_memory_budget_offloading_chunked_loss": 30,
-                  # five budgeted width searches, each building and training a model per width it tries
+                  # five budgeted width searches, each building and training a model per width it tries (~10 s)
                   "09_fine_tuning_lora_and_optimizer_memory": 30,
                   # three budgeted sequence-length searches and their probes, the naive attention's L x L (~12 s)
                   "10_long_sequences_attention_memory": 30}

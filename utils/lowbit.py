@@ -38,8 +38,20 @@ _UNSIGNED_SMALLEST = 1e-8
 def signed_codebook(device: torch.device | str = "cpu") -> torch.Tensor:
     """The 255 sorted fp32 values a signed code (Adam's first moment, over its block scale) can take.
 
-    Zero, and 127 magnitudes spaced evenly in log scale from 1e-4 to 1, with both signs: neighbouring
-    magnitudes differ by about 7.6 %, so rounding to the nearest keeps about 4 % of relative precision.
+    Why log-spaced: Adam's moments span orders of magnitude inside one block, and evenly spaced codes
+    would round every element much smaller than the block's largest to zero. Here: zero, and 127
+    magnitudes spaced evenly in log scale from 1e-4 to 1, with both signs; neighbouring magnitudes
+    differ by about 7.6 %, so rounding to the nearest keeps about 4 % of relative precision.
+
+    Args:
+        device: where to build the codebook.
+
+    Returns:
+        A sorted fp32 tensor of 255 values in [-1, 1], zero included.
+
+    Example:
+        >>> signed_codebook()[[0, 127, 254]]
+        tensor([-1.,  0.,  1.])
     """
     magnitudes = torch.logspace(math.log10(_SIGNED_SMALLEST), 0.0, 127, dtype=torch.float64)
     values = torch.cat([-magnitudes.flip(0), torch.zeros(1, dtype=torch.float64), magnitudes])
@@ -49,14 +61,38 @@ def signed_codebook(device: torch.device | str = "cpu") -> torch.Tensor:
 def unsigned_codebook(device: torch.device | str = "cpu") -> torch.Tensor:
     """The 256 sorted fp32 values an unsigned code (Adam's second moment, over its block scale) can take.
 
-    256 values spaced evenly in log scale from 1e-8 to 1 (about 7.5 % apart); no zero.
+    256 values spaced evenly in log scale from 1e-8 to 1 (about 7.5 % apart). No zero, on purpose: a
+    second moment read back as zero would divide its update by ``eps`` alone; the smallest code makes
+    the update of a tiny element smaller instead.
+
+    Args:
+        device: where to build the codebook.
+
+    Returns:
+        A sorted fp32 tensor of 256 positive values, the largest 1.
+
+    Example:
+        >>> round(float(unsigned_codebook()[0]), 12)
+        1e-08
     """
     values = torch.logspace(math.log10(_UNSIGNED_SMALLEST), 0.0, 256, dtype=torch.float64)
     return values.to(device=device, dtype=torch.float32)
 
 
 def num_blocks(numel: int, block_size: int) -> int:
-    """Blocks (and so fp32 scales) a tensor of ``numel`` elements needs: ``ceil(numel / block_size)``."""
+    """Blocks (and so fp32 scales) a tensor of ``numel`` elements needs: ``ceil(numel / block_size)``.
+
+    Args:
+        numel: elements of the tensor (>= 0).
+        block_size: elements per block (> 0).
+
+    Raises:
+        ValueError: a block size that is not a positive int.
+
+    Example:
+        >>> num_blocks(1000, 256)
+        4
+    """
     positive_int("block_size", block_size, "elements per block")
     return math.ceil(numel / block_size)
 
@@ -76,6 +112,9 @@ def quantize_blockwise(x: torch.Tensor, codebook: torch.Tensor, block_size: int,
     Returns:
         ``(codes, scales)``: uint8 codes with the shape of ``x`` and fp32 scales of shape
         ``(ceil(x.numel() / block_size),)``.
+
+    Raises:
+        ValueError: a block size that is not a positive int.
 
     Example:
         >>> codes, scales = quantize_blockwise(torch.randn(1000), signed_codebook(), 256)
@@ -112,6 +151,14 @@ def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, codebook: to
 
     Returns:
         A new fp32 tensor with the shape of ``codes``.
+
+    Raises:
+        ValueError: a block size that is not a positive int.
+
+    Example:
+        >>> codes, scales = quantize_blockwise(torch.tensor([0.5, -1.0]), signed_codebook(), 256)
+        >>> dequantize_blockwise(codes, scales, signed_codebook(), 256)
+        tensor([ 0.5179, -1.0000])
     """
     positive_int("block_size", block_size, "elements per block")
     n = codes.numel()
