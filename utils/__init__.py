@@ -35,6 +35,7 @@ __all__ = [
     "chunked_cross_entropy",
     "LayerActivations", "attention_saved_bytes", "layer_activation_bytes", "padding_fraction",
     "playbook_layer_activation_bytes", "sample_document_lengths",
+    "calculator", "MemoryBreakdown", "ModelConfig", "TrainingSetup",
     "BatchSearch", "CapacityError", "TechniqueCapacity", "check_budget", "find_max_batch_size", "largest_batches",
     "predict_max_batch_size", "run_under_budget", "what_to_try_first",
     "CHECK_MODE_VARIABLE", "MEMORY_CLASSES_GB", "autocast_dtype", "build_dir", "by_memory", "check_mode",
@@ -58,3 +59,15 @@ __all__ = [
     "capture_rng_state", "expected_overhead", "restore_rng_state", "simulate_preemptions", "young_daly_interval",
     "Timing", "speedup", "time_fn",
 ]
+
+# the calculator is also a program (python -m utils.calculator): importing it here would make runpy warn
+_CALCULATOR_NAMES = ("calculator", "MemoryBreakdown", "ModelConfig", "TrainingSetup")
+
+
+def __getattr__(name: str):  # noqa: ANN202 - PEP 562: utils.calculator and its dataclasses load on first use
+    if name in _CALCULATOR_NAMES:
+        import importlib
+
+        calculator = importlib.import_module(f"{__name__}.calculator")
+        return calculator if name == "calculator" else getattr(calculator, name)
+    raise AttributeError(f"module 'utils' has no attribute {name!r}")

@@ -1,41 +1,54 @@
-"""A training-memory calculator: peak bytes per device, term by term, checked against measurement.
+"""A training-memory calculator: the peak bytes of a training step per device, term by term, checked by measuring.
 
-Introduced in notebook 11 (distributed) for the 7B / 70B tables and used by notebook 13 (capstone) to
-predict its model before measuring it. Run it as a program::
+Introduced in notebook 11 (distributed), which prints its 7B and 70B tables; notebook 13 (capstone) predicts
+its model with it before measuring. As a program::
 
-    python -m utils.calculator --preset 7B --micro-batch 1 --seq-len 4096 --precision bf16-autocast
-    python -m utils.calculator --validate          # the measured grid: prediction vs exact tracker
+    python -m utils.calculator --preset 7B                     # Llama-2-7B, micro-batch 1 x 4096, bf16 autocast
+    python -m utils.calculator --preset 70B --strategy fsdp --ranks 64 --checkpointing every_block
+    python -m utils.calculator --layers 12 --d-model 768 --heads 12 --vocab 50257 --arch gpt --seq-len 1024
+    python -m utils.calculator --validate [--check]            # the measured grid: prediction vs exact tracker
 
-What it predicts. From a transformer's shape (``ModelConfig``) and a training set-up
-(``TrainingSetup``: precision, optimizer, checkpointing, LoRA, chunked loss, accumulation, data
-parallelism) ``predict`` returns a ``MemoryBreakdown``: the peak bytes of one training step on one
-device and what is alive at that moment (parameters, gradients, optimizer state, activations, the
-loss and its logits, autocast's weight copies, data-parallel buffers, temporaries), plus each term at
-its own largest. ``largest_micro_batch`` finds the largest micro-batch whose peak fits a device, and
-``format_table`` prints a breakdown.
+What it predicts. From a transformer's shape (``ModelConfig``; ``PRESETS`` holds Llama 3.2 1B and Llama 2
+7B, 13B and 70B) and a training set-up (``TrainingSetup``: precision, optimizer and its torch.optim
+implementation, activation checkpointing, LoRA, chunked loss, accumulation, data parallelism),
+``predict`` returns a ``MemoryBreakdown``: the peak bytes of one steady-state training step on one device,
+what is alive at that moment (parameters, gradients, optimizer state, activations, the loss and its logits,
+autocast's weight copies, data-parallel buffers, the batch, temporaries) and each term at its own largest.
+``largest_micro_batch`` finds the largest micro-batch whose peak fits a device; ``format_table`` prints a
+breakdown.
 
-How. Every term the course predicts separately (bytes per parameter in notebook 01, saved
-activations in 03, autocast's copies in 04, the loss's logits in 08, the optimizer state of 09,
-ZeRO's shards in 11) is a formula of the shapes; the peak, though, is a question of *when* each
-tensor is allocated and freed. So the calculator replays one step of a plain eager training loop
-(``reference_step``: forward, loss, backward, optimizer step, ``zero_grad(set_to_none=True)``) as
-the sequence of tensor allocations and frees that eager PyTorch performs: each forward op allocates
-its output and saves what its backward needs; backward runs node by node in autograd's order
-(highest sequence number first), allocating gradients, freeing what each node saved and summing
-gradients that meet; non-reentrant checkpointing frees the saved tensors in forward and recomputes a
-block when its backward begins; the optimizer's temporaries follow torch.optim's for-loop, foreach
-and fused code. Every event's size is a product of the shapes. The peak is the highest point of that
-replay, and the breakdown is what was alive there.
+How. Each term is a formula of the shapes (bytes per parameter, notebook 01; saved activations, 03;
+autocast's copies, 04; the loss's logits, 08; optimizer state, 09; ZeRO's shards, 11), but the peak depends
+on *when* each tensor lives. So the calculator replays one step of a plain eager training loop
+(``reference_step``) as the sequence of tensor allocations and frees eager PyTorch performs: each forward op
+allocates its output and keeps what its backward needs; backward runs autograd's nodes in its order
+(highest sequence number first), allocating gradients, freeing what each node saved, summing gradients that
+meet, casting them back to their inputs' dtype; non-reentrant checkpointing drops a block's saved tensors in
+forward and recomputes the block when its backward begins (selective: notebook 03's policy, matmul outputs
+kept); the optimizer's temporaries follow torch.optim's for-loop, foreach and fused code (and
+``utils.AdamW8bit``'s). Every event's size is a product of the shapes, and the peak is the replay's highest
+point. Two block designs are replayed: ``"gpt"`` (``utils.TinyTransformer``) and ``"llama"`` (Hugging Face's
+Llama, written out as ``llama_like``: fp32 RMSNorm, rotary embeddings, ``repeat_kv``, SwiGLU).
 
-Exactness (the validation grid, ``validate``): on the CPU the exact tracker (``utils.measure_memory``)
-measures the same step on small ``TinyTransformer`` models (``arch="gpt"``) and a small Llama-style
-model (``arch="llama"``, written in this module), and the prediction equals the measurement **to the
-byte** for every term and for the peak (bound: 0 bytes; the tests assert it). What the replay does not
-model, and what the bound therefore excludes: the CUDA caching allocator's 512-byte rounding,
-cuBLAS/cuDNN workspaces and the CUDA context (the GPU branch of ``measure_reference_step``, not yet run
-on a GPU, reports that error), memory outside tensors, and data-parallel collectives, which are
-predicted from ZeRO's formulas (``utils.parallel.predict_zero_bytes_per_rank``, checked here term by
-term) and from the buffers DDP and FSDP2 allocate, not measured on several ranks in this module.
+Exactness (``validate``): on the CPU the exact tracker (``utils.measure_memory``) measures the same step on
+small models of both designs over a grid of 38 configurations that covers every option, and the prediction
+equals the measurement **to the byte** for every term (parameters, optimizer state, batch, activations, loss,
+gradients), for the peak, and for the bytes alive at every phase boundary: the bound is 0 bytes, on torch
+2.13 and 2.11, and the tests assert it on an 11-configuration subset. What that bound does not cover:
+
+* a GPU: the caching allocator rounds each block up to 512 bytes and keeps cuBLAS workspaces, and CUDA's
+  attention kernels save slightly different statistics (logsumexp padding, RNG state). ``validate(device=
+  "cuda")`` / ``--validate --on cuda`` measures that difference with the allocator; **it has not been run
+  on a GPU yet**. The CUDA context and fragmentation (``max_memory_reserved``) are outside every term;
+* data parallelism across processes: each rank's parameters, gradients and optimizer state follow ZeRO's
+  formulas (equal to ``utils.parallel.predict_zero_bytes_per_rank``, tested; FSDP2 pads dim 0 of each
+  tensor, up to one row per tensor more), DDP's gradient buckets are measured on one in-process rank
+  (tested); FSDP's all-gathered units (two at a time) and unsharded gradients before their
+  reduce-scatter follow FSDP2's design and are not measured here. With ``"bf16-autocast"`` and FSDP the
+  replay keeps autocast's bf16 copy of every gathered weight until its backward, as plain ``torch.autocast``
+  does; FSDP2's ``MixedPrecisionPolicy`` is not modelled;
+* other models, ``torch.compile``'d steps and fused kernels (flash attention variants, Liger): the replay
+  knows the ops of the two designs above, run eagerly.
 """
 
 from __future__ import annotations
@@ -496,7 +509,7 @@ class _Replay:
     def param(self, leaf: _Leaf) -> _T:
         """The tensor of a parameter (alive for the whole step, counted in the baseline)."""
         if leaf.tensor is None:
-            buf = self._alloc(math.ceil(leaf.numel * leaf.item / self.param_shards), "parameters", leaf.name)
+            buf = self._alloc(_shard_numel(leaf.shape, self.param_shards) * leaf.item, "parameters", leaf.name)
             self.incref(buf)
             leaf.tensor = _T(buf, leaf.numel, leaf.item, leaf.trainable, None, 0, leaf)
         return leaf.tensor
@@ -935,12 +948,12 @@ def parameter_shapes(model: ModelConfig, setup: TrainingSetup | None = None) -> 
 
         def linear(name: str) -> None:
             fan_in, fan_out, att = linears[name]
+            if _lora_on(setup, att):                # LoRALinear's own parameters come before its base's
+                out.append((prefix + name + ".lora_a", (setup.lora_rank, fan_in), True))
+                out.append((prefix + name + ".lora_b", (fan_out, setup.lora_rank), True))
             out.append((prefix + name + ".weight", (fan_out, fan_in), not lora))
             if model.arch == "gpt":
                 out.append((prefix + name + ".bias", (fan_out,), not lora))
-            if _lora_on(setup, att):
-                out.append((prefix + name + ".lora_a", (setup.lora_rank, fan_in), True))
-                out.append((prefix + name + ".lora_b", (fan_out, setup.lora_rank), True))
 
         if model.arch == "gpt":
             out += [(prefix + "norm1.weight", (d,), not lora), (prefix + "norm1.bias", (d,), not lora)]
@@ -1006,10 +1019,8 @@ class _Step(_Ops):
     def gpt_block(self, layer: int) -> Callable[[_Replay, _T], _T]:
         prefix = f"blocks.{layer}."
         setup, model = self.setup, self.model
-        n_tok = setup.tokens
 
         def block(r: _Replay, x: _T) -> _T:
-            assert r is self
             n1 = self.layer_norm(x, self.p(prefix + "norm1.weight"), self.p(prefix + "norm1.bias"), model.d_model,
                                  prefix + "norm1")
             qkv = self.lin(n1, prefix, "qkv", True)
@@ -1033,7 +1044,6 @@ class _Step(_Ops):
             self.rel(x1, q, k, v, attended)      # the block's locals, as Python frees them on return
             return x2
 
-        del n_tok
         return block
 
     def rms_norm(self, x: _T, w: _T, label: str) -> _T:
@@ -1312,7 +1322,8 @@ class _Step(_Ops):
         for leaf in self.leaves.values():
             if self.unit_of(leaf.name) != unit or leaf.name not in self.pending_grads:
                 continue
-            shard = math.ceil(leaf.numel * leaf.item / self.setup.ranks)
+            shard = _shard_numel(leaf.shape, self.setup.ranks) * leaf.item if self.setup.strategy == "fsdp" else \
+                math.ceil(leaf.numel * leaf.item / self.setup.ranks)   # ZeRO-2: a flat 1/N partition
             for buf in self.pending_grads.pop(leaf.name):
                 if leaf.grad is None:
                     leaf.grad = self._alloc(shard, "gradients", f"{leaf.name} grad shard")
@@ -1399,6 +1410,7 @@ class _Step(_Ops):
                 self.rel(*rotary)
             loss = self.head_loss(x)
             self.rel(x)
+            self.set_phase(f"m{micro}.exit")
             if self.autocast:
                 self.autocast_exit()
             self.set_phase(f"m{micro}.bloss")
@@ -1406,6 +1418,8 @@ class _Step(_Ops):
             self.backward(scaled)
             self.after_backward()
             self.rel(scaled, loss)
+        self.grads_mark = self.current            # what is alive when optimizer.step() begins
+        self.grads_at_step = self.by_kind["gradients"]
         self.set_phase("optimizer")
         trainable = [leaf for leaf in self.leaves.values() if leaf.trainable]
         _optimizer_temporaries(self, _shard_leaves(trainable, setup), setup)
@@ -1417,11 +1431,13 @@ class _Step(_Ops):
         return self
 
 
-def _optimizer_state_bytes(model: ModelConfig, setup: TrainingSetup) -> int:
-    """Bytes of optimizer state on one device (all of it, before any sharding)."""
+def _optimizer_state_bytes(model: ModelConfig, setup: TrainingSetup, ranks: int = 1) -> int:
+    """Bytes of optimizer state on one device (of every tensor's FSDP shard when ``ranks`` > 1)."""
     from .footprint import predict_optimizer_state_bytes
 
     shapes = [shape for _, shape, trainable in parameter_shapes(model, setup) if trainable]
+    if ranks > 1:
+        shapes = [(math.ceil(shape[0] / ranks),) + tuple(shape[1:]) for shape in shapes]
     total = predict_optimizer_state_bytes(shapes, setup.optimizer)
     steps = 4 * len(shapes) if setup.optimizer in ("adam", "adamw", "adafactor") else 0
     elements = total - steps
@@ -1433,23 +1449,31 @@ def _optimizer_state_bytes(model: ModelConfig, setup: TrainingSetup) -> int:
     return elements + steps + codebooks
 
 
-def _optimizer_state_per_rank(model: ModelConfig, setup: TrainingSetup) -> int:
-    """Optimizer state on one rank: all of it, or ZeRO's 1/N (rounded up) from stage 1 on.
+def _shard_numel(shape: Sequence[int], ranks: int) -> int:
+    """Elements of one rank's shard of a tensor under FSDP2: dim 0 split in N, padded (``ceil(dim0 / N)`` rows)."""
+    if ranks == 1:
+        return math.prod(shape)
+    return math.ceil(shape[0] / ranks) * math.prod(shape[1:])
 
-    The per-element state is split evenly; step counters (4 bytes per tensor, on the device only on the
-    CPU or when fused) are whole tensors: every rank holds all of them under FSDP (it shards every tensor),
-    ``ceil(T / N)`` under ZeRO-1/2 (whole tensors partitioned), as ``utils.predict_zero_bytes_per_rank``.
+
+def _optimizer_state_per_rank(model: ModelConfig, setup: TrainingSetup) -> int:
+    """Optimizer state on one rank: all of it (single, DDP), ZeRO's 1/N (ZeRO-1/2), or that of FSDP's shards.
+
+    ZeRO-1/2 split the per-element state evenly (``ceil(K·Ψ / N)``) and the 4-byte step counters by whole
+    tensors (``ceil(T / N)``), as ``utils.predict_zero_bytes_per_rank``; FSDP2 shards every tensor along
+    dim 0 (padded), so each rank keeps the state of its shards and every step counter.
     """
-    total = _optimizer_state_bytes(model, setup)
     if setup.strategy in ("single", "ddp"):
-        return total
+        return _optimizer_state_bytes(model, setup)
+    if setup.strategy == "fsdp":
+        return _optimizer_state_bytes(model, setup, ranks=setup.ranks)
+    total = _optimizer_state_bytes(model, setup)
     tensors = sum(1 for _, _, trainable in parameter_shapes(model, setup) if trainable)
     steps = 4 * tensors if (setup.optimizer in ("adam", "adamw", "adafactor")
                             and (setup.device == "cpu" or setup.optimizer_impl == "fused")) else 0
     codebooks = 4 * sum(ADAMW8BIT_CODEBOOKS) if setup.optimizer == "adamw8bit" else 0
     elements = total - steps - codebooks
-    steps_here = steps if setup.strategy == "fsdp" else 4 * math.ceil(steps // 4 / setup.ranks)
-    return math.ceil(elements / setup.ranks) + steps_here + codebooks
+    return math.ceil(elements / setup.ranks) + 4 * math.ceil(steps // 4 / setup.ranks) + codebooks
 
 
 def _shard_leaves(leaves: list[_Leaf], setup: TrainingSetup) -> list[_Leaf]:
@@ -1638,16 +1662,12 @@ def build_reference(model: ModelConfig, setup: TrainingSetup, *, seed: int = 0, 
 
     torch.manual_seed(seed)
     if model.arch == "gpt":
+        ratio, rest = divmod(model.ffn, model.d_model)   # TinyTransformer's MLP is mlp_ratio * d_model wide
+        if rest:
+            raise ValueError(f"arch 'gpt' builds utils.TinyTransformer, whose MLP is a multiple of d_model: expected "
+                             f"ffn_width a multiple of {model.d_model}, got {model.ffn}")
         net = TinyTransformer(model.vocab_size, model.d_model, model.num_heads, model.num_layers,
-                              max_seq_len=model.max_seq_len, mlp_ratio=1)
-        if model.ffn != model.d_model:          # TinyTransformer's MLP is mlp_ratio * d_model wide
-            ratio, rest = divmod(model.ffn, model.d_model)
-            if rest:
-                raise ValueError(f"arch 'gpt' builds utils.TinyTransformer, whose MLP is a multiple of d_model: "
-                                 f"expected ffn_width a multiple of {model.d_model}, got {model.ffn}")
-            torch.manual_seed(seed)
-            net = TinyTransformer(model.vocab_size, model.d_model, model.num_heads, model.num_layers,
-                                  max_seq_len=model.max_seq_len, mlp_ratio=ratio)
+                              max_seq_len=model.max_seq_len, mlp_ratio=ratio)
     else:
         net = llama_like(model)
     if setup.lora_rank:
@@ -1910,6 +1930,8 @@ def reference_step(net, optimizer, tokens, targets, model: ModelConfig, setup: T
             else:
                 loss = F.cross_entropy(head(net.norm(x)).flatten(0, 1).float(), targets[micro].flatten())
             del x
+            if mem is not None:
+                mem.phase(f"m{micro}.exit")       # leaving autocast clears its cache of weight copies
         if mem is not None:
             mem.phase(f"m{micro}.bloss")
         (loss / setup.accumulation_steps).backward()
@@ -1991,7 +2013,8 @@ def _phase_label(phase: str, setup: TrainingSetup) -> str:
     if phase in ("optimizer", "end"):
         return "optimizer step"
     micro, _, where = phase.partition(".")
-    names = {"embed": "forward, embeddings", "head": "forward, loss", "bloss": "backward, loss"}
+    names = {"embed": "forward, embeddings", "head": "forward, loss", "exit": "forward, leaving autocast",
+             "bloss": "backward, loss"}
     if where in names:
         text = names[where]
     elif where[:1] == "f":
@@ -2134,3 +2157,409 @@ def format_table(breakdown: MemoryBreakdown, *, device_bytes: int | None = None)
         verdict = "fits" if breakdown.total <= device_bytes else "does not fit"
         lines.append(f"{verdict} in {_gib(device_bytes)} GiB ({breakdown.total / device_bytes:.0%} of it)")
     return "\n".join(lines)
+
+
+# --- presets: the published shapes of public models -----------------------------------------------------------
+
+PRESETS: dict[str, ModelConfig] = {
+    # Llama 3.2 1B (Meta, 2024; config.json of meta-llama/Llama-3.2-1B): grouped-query attention, tied head
+    "1B": ModelConfig(num_layers=16, d_model=2048, num_heads=32, num_kv_heads=8, ffn_width=8192, vocab_size=128256,
+                      max_seq_len=131072, arch="llama", tied_embeddings=True, name="Llama-3.2-1B"),
+    # Llama 2 7B, 13B and 70B (Touvron et al. 2023, "Llama 2", table 1; config.json of meta-llama/Llama-2-*-hf)
+    "7B": ModelConfig(num_layers=32, d_model=4096, num_heads=32, ffn_width=11008, vocab_size=32000, max_seq_len=4096,
+                      arch="llama", name="Llama-2-7B"),
+    "13B": ModelConfig(num_layers=40, d_model=5120, num_heads=40, ffn_width=13824, vocab_size=32000, max_seq_len=4096,
+                       arch="llama", name="Llama-2-13B"),
+    "70B": ModelConfig(num_layers=80, d_model=8192, num_heads=64, num_kv_heads=8, ffn_width=28672, vocab_size=32000,
+                       max_seq_len=4096, arch="llama", name="Llama-2-70B"),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """The ``ModelConfig`` of a preset (``"1B"``, ``"7B"``, ``"13B"``, ``"70B"``).
+
+    Raises:
+        ValueError: an unknown name (the message lists the presets and the models they are).
+    """
+    if name not in PRESETS:
+        known = ", ".join(f"{key} ({cfg.name})" for key, cfg in PRESETS.items())
+        raise ValueError(f"unknown preset {name!r}: expected one of {known}")
+    return PRESETS[name]
+
+
+# --- measuring the same step, and the validation grid ----------------------------------------------------------
+
+MEASURED_TERMS = ("parameters", "optimizer_state", "inputs", "activations", "loss", "gradients", "peak")
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """The figures of one training step that prediction and measurement both give, bytes.
+
+    Attributes:
+        parameters: the model's parameters and buffers.
+        optimizer_state: the optimizer's state (and AdamW8bit's codebooks).
+        inputs: token ids and targets of the step.
+        activations: bytes alive above those three when the head begins (saved activations, plus
+            autocast's bf16 weight copies).
+        loss: what the head and the loss add by the end of the forward pass.
+        gradients: bytes alive when ``optimizer.step()`` begins, above the baseline (the gradients).
+        peak: the highest point of the step, the baseline included.
+        boundaries: phase -> bytes alive above the baseline when it ended (a phase is a block's forward
+            or backward, the head, the loss's backward, the optimizer step).
+    """
+
+    parameters: int
+    optimizer_state: int
+    inputs: int
+    activations: int
+    loss: int
+    gradients: int
+    peak: int
+    boundaries: dict[str, int] = field(default_factory=dict)
+
+
+def model_state_per_rank(model: ModelConfig, setup: TrainingSetup) -> dict[str, int]:
+    """Parameters, gradients (when the optimizer step begins) and optimizer state held by one rank, bytes.
+
+    ZeRO's accounting, as ``utils.parallel.predict_zero_bytes_per_rank`` gives it for ``ddp`` (stage 0),
+    ``zero1``, ``zero2`` and ``fsdp`` (stage 3); FSDP2 pads every tensor's dim 0 to a multiple of N,
+    so with dims that N does not divide its shards are up to one row per tensor larger than Ψ/N.
+
+    Returns:
+        ``{"params": ..., "grads": ..., "optimizer": ...}``; also ``"buckets"``: DDP's (and ZeRO-1's)
+        gradient buckets, one copy of the trainable gradients (``gradient_as_bucket_view=False``).
+    """
+    step = _replay(model, setup)
+    buckets = sum(math.prod(shape) for _, shape, trainable in parameter_shapes(model, setup) if trainable) * (
+        2 if setup.precision == "bf16" else 4) if setup.strategy in ("ddp", "zero1") else 0
+    return {"params": step.largest["parameters"], "grads": step.grads_at_step,
+            "optimizer": step.largest["optimizer_state"], "buckets": buckets}
+
+
+def predict_step_bytes(model: ModelConfig, setup: TrainingSetup) -> StepBytes:
+    """The prediction of the figures ``measure_reference_step`` measures (see ``StepBytes``)."""
+    step = _replay(model, setup)
+    base = step.baseline
+    last = f"m0.f{model.num_layers - 1}"
+    marks = {phase: value - base for phase, value in step.phase_marks.items() if phase not in ("start", "end")}
+    return StepBytes(parameters=step.largest["parameters"], optimizer_state=step.largest["optimizer_state"],
+                     inputs=step.largest["inputs"], activations=marks[last], loss=marks["m0.head"] - marks[last],
+                     gradients=step.grads_mark - base, peak=step.peak, boundaries=marks)
+
+
+def measure_reference_step(model: ModelConfig, setup: TrainingSetup, *, device: Any = "cpu",
+                           seed: int = 0) -> StepBytes:
+    """Measure ``reference_step`` on a device: the same figures as ``predict_step_bytes``.
+
+    One warm-up step creates the optimizer state; the second step is measured with
+    ``utils.measure_memory``, its baseline being the model, the optimizer and the batch. On the CPU
+    that is the exact storage tracker; on CUDA the caching allocator (**this branch has not been run on
+    a GPU yet**: ``torch.cuda.reset_peak_memory_stats`` and ``max_memory_allocated`` around the step,
+    through ``measure_memory``'s "cuda-allocator" backend; expect differences of cuBLAS workspaces and
+    512-byte rounding per tensor, and of the attention kernel's saved statistics).
+
+    Args:
+        model, setup: what to build and train (``setup.device`` is set to the device's type).
+        device: where to run it.
+        seed: for the weights and the data.
+
+    Returns:
+        A ``StepBytes``.
+    """
+    torch = _torch()
+    from .memory import measure_memory, tensor_bytes
+    from .models import make_token_data
+
+    device = torch.device(device)
+    setup = replace(setup, device="cuda" if device.type == "cuda" else "cpu")
+    if model.arch == "gpt" and setup.seq_len > model.max_seq_len:
+        raise ValueError(f"seq_len {setup.seq_len} exceeds max_seq_len {model.max_seq_len}")
+    net, optimizer = build_reference(model, setup, seed=seed, device=device)
+    k, batch, seq = setup.accumulation_steps, setup.micro_batch, setup.seq_len
+    tokens, targets = make_token_data(batch * k, seq, model.vocab_size, seed=seed, device=device)
+    tokens, targets = tokens.reshape(k, batch, seq).contiguous(), targets.reshape(k, batch, seq).contiguous()
+    reference_step(net, optimizer, tokens, targets, model, setup)          # creates the optimizer state
+    codebooks = list(getattr(optimizer, "_codebooks", {}).values())        # AdamW8bit keeps them on itself
+    with measure_memory(device, include=[net, optimizer, tokens, targets, codebooks], phase="start") as mem:
+        reference_step(net, optimizer, tokens, targets, model, setup, mem)
+    ends = mem.phase_end_bytes()
+    last = f"m0.f{model.num_layers - 1}"
+    optimizer_index = next(i for i, sample in enumerate(mem.timeline) if sample.phase == "optimizer")
+    before_step = mem.timeline[optimizer_index - 1].bytes
+    boundaries = {phase: value for phase, value in ends.items() if phase not in ("start", "end")}
+    # torch.optim keeps `step` on the host unless fused: count what lives on the measured device
+    state = [t for t in _state_tensors(optimizer) if t.device == device] + codebooks
+    return StepBytes(parameters=tensor_bytes(list(net.parameters()) + list(net.buffers())),
+                     optimizer_state=tensor_bytes(state), inputs=tensor_bytes([tokens, targets]),
+                     activations=ends[last], loss=ends["m0.head"] - ends[last], gradients=before_step,
+                     peak=mem.peak_bytes + mem.baseline_bytes, boundaries=boundaries)
+
+
+def _state_tensors(optimizer: Any) -> list:
+    torch = _torch()
+    return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+
+
+GRID_GPT = ModelConfig(num_layers=2, d_model=32, num_heads=4, vocab_size=64, max_seq_len=16, name="tiny gpt")
+GRID_LLAMA = ModelConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, ffn_width=48, vocab_size=64,
+                         max_seq_len=16, arch="llama", name="tiny llama")
+
+
+def validation_grid(check: bool = False) -> list[tuple[str, ModelConfig, TrainingSetup]]:
+    """The configurations ``validate`` measures: every option of ``TrainingSetup`` at least once.
+
+    Two small models (``GRID_GPT``, a ``utils.TinyTransformer``; ``GRID_LLAMA``, grouped-query
+    attention) with micro-batch 2 x 16 tokens on the CPU. ``check=True`` gives the representative subset
+    the tests run in check mode (each precision, optimizer, implementation, checkpointing mode, LoRA
+    target, the chunked loss, accumulation and both architectures at least once).
+
+    Returns:
+        (label, model, setup) triples.
+    """
+    base = TrainingSetup(micro_batch=2, seq_len=16, precision="fp32", optimizer="adamw", optimizer_impl="for-loop",
+                         device="cpu")
+    gpt, llama = GRID_GPT, GRID_LLAMA
+    mqa_tied = replace(GRID_LLAMA, num_kv_heads=1, tied_embeddings=True, name="tiny llama, 1 kv head, tied head")
+    mha = replace(GRID_LLAMA, num_kv_heads=None, name="tiny llama, 4 kv heads")
+
+    def s(**changes: Any) -> TrainingSetup:
+        return replace(base, **changes)
+
+    ac, bf = "bf16-autocast", "bf16"
+    grid = [
+        ("gpt fp32 adamw", gpt, s()),
+        ("gpt autocast", gpt, s(precision=ac)),
+        ("gpt bf16", gpt, s(precision=bf)),
+        ("gpt fp32 ckpt every block", gpt, s(checkpointing="every_block")),
+        ("gpt fp32 ckpt selective", gpt, s(checkpointing="selective")),
+        ("gpt autocast ckpt every block", gpt, s(precision=ac, checkpointing="every_block")),
+        ("gpt autocast ckpt selective", gpt, s(precision=ac, checkpointing="selective")),
+        ("gpt bf16 ckpt selective", gpt, s(precision=bf, checkpointing="selective")),
+        ("gpt fp32 lora r4 all", gpt, s(lora_rank=4)),
+        ("gpt autocast lora r4 attention", gpt, s(precision=ac, lora_rank=4, lora_targets="attention")),
+        ("gpt autocast lora ckpt every block", gpt, s(precision=ac, lora_rank=4, checkpointing="every_block")),
+        ("gpt bf16 lora attention ckpt selective", gpt, s(precision=bf, lora_rank=4, lora_targets="attention",
+                                                           checkpointing="selective")),
+        ("gpt fp32 chunked loss 12", gpt, s(chunked_loss=12)),
+        ("gpt autocast chunked loss 12", gpt, s(precision=ac, chunked_loss=12)),
+        ("gpt fp32 accumulation 3", gpt, s(accumulation_steps=3)),
+        ("gpt autocast accum 2 ckpt every block", gpt, s(precision=ac, accumulation_steps=2,
+                                                          checkpointing="every_block")),
+        ("gpt fp32 sgd", gpt, s(optimizer="sgd")),
+        ("gpt fp32 sgd momentum foreach", gpt, s(optimizer="sgd_momentum", optimizer_impl="foreach")),
+        ("gpt fp32 adam fused", gpt, s(optimizer="adam", optimizer_impl="fused")),
+        ("gpt fp32 adamw foreach", gpt, s(optimizer_impl="foreach")),
+        ("gpt bf16 adamw fused", gpt, s(precision=bf, optimizer_impl="fused")),
+        ("gpt fp32 adafactor", gpt, s(optimizer="adafactor")),
+        ("gpt bf16 adafactor foreach", gpt, s(precision=bf, optimizer="adafactor", optimizer_impl="foreach")),
+        ("gpt fp32 adamw8bit", gpt, s(optimizer="adamw8bit")),
+        ("gpt bf16 adamw8bit lora", gpt, s(precision=bf, optimizer="adamw8bit", lora_rank=4)),
+        ("llama fp32 gqa", llama, s()),
+        ("llama autocast", llama, s(precision=ac)),
+        ("llama bf16", llama, s(precision=bf)),
+        ("llama autocast ckpt every block", llama, s(precision=ac, checkpointing="every_block")),
+        ("llama fp32 ckpt selective", llama, s(checkpointing="selective")),
+        ("llama autocast lora r4 all", llama, s(precision=ac, lora_rank=4)),
+        ("llama bf16 lora attention ckpt every", llama, s(precision=bf, lora_rank=4, lora_targets="attention",
+                                                          checkpointing="every_block")),
+        ("llama mqa tied autocast chunked 12", mqa_tied, s(precision=ac, chunked_loss=12)),
+        ("llama mqa tied bf16 accumulation 2", mqa_tied, s(precision=bf, accumulation_steps=2)),
+        ("llama mha fp32 sgd momentum", mha, s(optimizer="sgd_momentum")),
+        ("llama autocast adamw8bit", llama, s(precision=ac, optimizer="adamw8bit")),
+        ("llama bf16 adafactor foreach ckpt sel", llama, s(precision=bf, optimizer="adafactor",
+                                                           optimizer_impl="foreach", checkpointing="selective")),
+        ("llama autocast adamw foreach lora sel", llama, s(precision=ac, optimizer_impl="foreach", lora_rank=4,
+                                                           checkpointing="selective")),
+    ]
+    if not check:
+        return grid
+    subset = ("gpt autocast lora ckpt every block", "gpt bf16 lora attention ckpt selective", "gpt autocast chunked loss 12",
+              "gpt fp32 sgd momentum foreach", "gpt fp32 adam fused", "gpt bf16 adafactor foreach",
+              "llama mqa tied bf16 accumulation 2", "llama autocast adamw8bit", "llama autocast lora r4 all",
+              "gpt fp32 adafactor", "gpt fp32 sgd")
+    return [row for row in grid if row[0] in subset]
+
+
+@dataclass(frozen=True)
+class ValidationRow:
+    """One configuration of the grid: predicted and measured ``StepBytes``."""
+
+    label: str
+    model: ModelConfig
+    setup: TrainingSetup
+    predicted: StepBytes
+    measured: StepBytes
+
+    def errors(self) -> dict[str, float]:
+        """Term -> |predicted - measured| / |measured| (0 when both are 0)."""
+        out = {}
+        for term in MEASURED_TERMS:
+            p, m = getattr(self.predicted, term), getattr(self.measured, term)
+            out[term] = abs(p - m) / abs(m) if m else float(p != m)
+        return out
+
+    def differences(self) -> dict[str, int]:
+        """Term -> predicted - measured, bytes."""
+        return {term: getattr(self.predicted, term) - getattr(self.measured, term) for term in MEASURED_TERMS}
+
+    @property
+    def boundaries_equal(self) -> bool:
+        """Whether the bytes alive at every phase boundary of the step agree too (not only the terms)."""
+        return all(self.predicted.boundaries.get(k) == v for k, v in self.measured.boundaries.items()
+                   if k in self.predicted.boundaries)
+
+
+def validate(grid: Sequence[tuple[str, ModelConfig, TrainingSetup]] | None = None, *, check: bool = False,
+             device: Any = "cpu", progress: Callable[[ValidationRow], None] | None = None) -> list[ValidationRow]:
+    """Measure every configuration of the grid and put the prediction beside it.
+
+    Args:
+        grid: (label, model, setup) triples; default ``validation_grid(check)``.
+        check: the representative subset (a few seconds on the CPU) instead of the whole grid.
+        device: where to measure: "cpu" (the exact tracker) or "cuda" (the allocator; not yet run).
+        progress: called with each row as soon as it is measured.
+
+    Returns:
+        One ``ValidationRow`` per configuration. On the CPU every difference is 0 bytes.
+    """
+    rows = []
+    for label, model, setup in grid if grid is not None else validation_grid(check):
+        kind = "cuda" if str(device).startswith("cuda") else "cpu"
+        setup = replace(setup, device=kind)
+        row = ValidationRow(label, model, setup, predict_step_bytes(model, setup),
+                            measure_reference_step(model, setup, device=device))
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+    return rows
+
+
+def worst_errors(rows: Sequence[ValidationRow]) -> dict[str, float]:
+    """Term -> the largest relative error over the rows."""
+    return {term: max((row.errors()[term] for row in rows), default=0.0) for term in MEASURED_TERMS}
+
+
+VALIDATION_HEADER = f"{'configuration':<40}{'predicted':>10}{'measured':>10}{'diff':>6}  {'peak in':<44}terms"
+
+
+def format_validation_row(row: ValidationRow) -> str:
+    """One line: predicted and measured peak (bytes), where the peak is, and whether every term agrees."""
+    diff = row.differences()
+    worst = max(diff, key=lambda term: abs(diff[term]))
+    where = _phase_label(_replay(row.model, row.setup).peak_phase, row.setup)
+    text = (f"{row.label:<40}{row.predicted.peak:>10,}{row.measured.peak:>10,}{diff['peak']:>+6,}  {where:<44}"
+            f"{'all equal' if not any(diff.values()) else f'largest difference: {worst} {diff[worst]:+,} B'}")
+    return text + ("" if row.boundaries_equal else "  (phase boundaries differ)")
+
+
+def format_validation(rows: Sequence[ValidationRow]) -> str:
+    """The grid as a table (predicted and measured peak per configuration) and the worst error per term."""
+    lines = [VALIDATION_HEADER]
+    lines += [format_validation_row(row) for row in rows]
+    worst = worst_errors(rows)
+    lines.append("worst relative error per term: " + ", ".join(f"{term} {value:.2e}" for term, value in worst.items()))
+    return "\n".join(lines)
+
+
+# --- the command line ------------------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m utils.calculator",
+        description="Predict the peak training memory per device, term by term (parameters, gradients, "
+                    "optimizer state, activations, loss, temporaries), for a preset or your own transformer. "
+                    "--validate measures a grid of small models on the CPU against the prediction.")
+    shape = parser.add_argument_group("model (a preset, or your own shape)")
+    shape.add_argument("--preset", choices=sorted(PRESETS, key=lambda k: float(k[:-1])),
+                       help="; ".join(f"{key}: {cfg.name}" for key, cfg in PRESETS.items()))
+    shape.add_argument("--arch", choices=ARCHS, default=None, help="block design (default llama for a custom shape)")
+    for flag, help_text in [("--layers", "transformer blocks"), ("--d-model", "residual width"),
+                            ("--heads", "attention heads"), ("--kv-heads", "key/value heads (default: --heads)"),
+                            ("--ffn", "MLP hidden width (default 4 x d-model)"), ("--vocab", "vocabulary size"),
+                            ("--max-seq-len", "position table rows (gpt) / context length")]:
+        shape.add_argument(flag, type=int, default=None, help=help_text)
+    shape.add_argument("--tied", action="store_true", help="the head shares the embedding's weight (llama)")
+    train = parser.add_argument_group("training set-up")
+    train.add_argument("--micro-batch", type=int, default=1, help="sequences per device (default 1)")
+    train.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    train.add_argument("--precision", choices=PRECISIONS, default="bf16-autocast")
+    train.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    train.add_argument("--impl", choices=OPTIMIZER_IMPLS, default="foreach",
+                       help="torch.optim implementation (default foreach, CUDA's default)")
+    train.add_argument("--checkpointing", choices=CHECKPOINTING, default="none")
+    train.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning")
+    train.add_argument("--lora-targets", choices=LORA_TARGETS, default="all")
+    train.add_argument("--chunked-loss", type=int, default=0, help="tokens per chunk (0: the whole logits)")
+    train.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
+    train.add_argument("--strategy", choices=STRATEGIES, default="single")
+    train.add_argument("--ranks", type=int, default=1)
+    train.add_argument("--device", choices=DEVICES, default="cuda", help="whose op-level details (default cuda)")
+    train.add_argument("--device-gb", type=float, default=80.0,
+                       help="device memory in GB (10^9 bytes) for the fit verdict and the largest micro-batch "
+                            "(default 80; 0 skips both)")
+    parser.add_argument("--validate", action="store_true", help="measure the grid on the CPU against the prediction")
+    parser.add_argument("--check", action="store_true", help="with --validate: the quick representative subset")
+    parser.add_argument("--on", default="cpu", choices=("cpu", "cuda"),
+                        help="with --validate: the device to measure on (cuda: the allocator's figures; this branch "
+                             "has not been run on a GPU yet)")
+    return parser
+
+
+def _model_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelConfig:
+    custom = {"num_layers": args.layers, "d_model": args.d_model, "num_heads": args.heads, "vocab_size": args.vocab,
+              "ffn_width": args.ffn, "num_kv_heads": args.kv_heads, "max_seq_len": args.max_seq_len}
+    if args.preset:
+        given = [flag for flag, value in custom.items() if value is not None]
+        if given or args.arch or args.tied:
+            parser.error(f"--preset {args.preset} fixes the shape: expected no shape flags with it, got {given}")
+        return PRESETS[args.preset]
+    missing = [flag for flag in ("--layers", "--d-model", "--heads", "--vocab")
+               if getattr(args, flag[2:].replace("-", "_")) is None]
+    if missing:
+        parser.error(f"expected --preset or a shape: missing {', '.join(missing)}")
+    custom = {key: value for key, value in custom.items() if value is not None}
+    custom.setdefault("max_seq_len", max(args.seq_len, 2048))
+    return ModelConfig(arch=args.arch or "llama", tied_embeddings=args.tied, **custom)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.validate:
+        print(VALIDATION_HEADER, flush=True)
+        rows = validate(check=args.check, device=args.on,
+                        progress=lambda row: print(format_validation_row(row), flush=True))
+        worst = worst_errors(rows)
+        where = "on the CPU (exact tracker)" if args.on == "cpu" else "on CUDA (the caching allocator)"
+        print(f"{len(rows)} configurations {where}; worst relative error per term: "
+              + ", ".join(f"{term} {value:.2e}" for term, value in worst.items()))
+        return 0 if args.on == "cuda" or not any(worst.values()) else 1
+    try:
+        model = _model_from_args(args, parser)
+        setup = TrainingSetup(micro_batch=args.micro_batch, seq_len=args.seq_len, precision=args.precision,
+                              optimizer=args.optimizer, optimizer_impl=args.impl, checkpointing=args.checkpointing,
+                              lora_rank=args.lora_rank, lora_targets=args.lora_targets, chunked_loss=args.chunked_loss,
+                              accumulation_steps=args.accumulation, strategy=args.strategy, ranks=args.ranks,
+                              device=args.device)
+        breakdown = predict(model, setup)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.device_gb < 0:
+        parser.error(f"--device-gb must be >= 0 (0 skips the verdict), got {args.device_gb}")
+    device_bytes = int(args.device_gb * 10**9) or None
+    print(format_table(breakdown, device_bytes=device_bytes))
+    if device_bytes:
+        largest = largest_micro_batch(model, setup, device_bytes)
+        if largest:
+            print(f"largest micro-batch of {setup.seq_len} tokens that fits: {largest}")
+        else:
+            state = breakdown.parameters + breakdown.gradients + breakdown.optimizer_state
+            print(f"no micro-batch fits: at the peak, parameters, gradients and optimizer state alone take "
+                  f"{_gib(state)} GiB of the {_gib(device_bytes)} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
