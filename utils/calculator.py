@@ -58,7 +58,7 @@ import heapq
 import itertools
 import math
 import sys
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 from .checks import positive_int
@@ -347,6 +347,7 @@ class _Region:
         self.sac_next = 0
         self.recomputed = False
         self.pending = 0                         # nodes whose saved-tensor hooks keep the frame alive
+        self.autocast = False                    # autocast was on in forward: recompute runs under it too
 
 
 class _Replay:
@@ -699,7 +700,7 @@ class _Replay:
         region.recomputed = True
         outer_cache, outer_autocast = self.cache, self.autocast
         self.recomputing, self.scope = region, []
-        self.cache = {} if outer_autocast or region_autocast(region) else None
+        self.cache = {} if region.autocast else None
         self.autocast = self.cache is not None
         region.sac_next = 0
         try:
@@ -729,9 +730,6 @@ class _Replay:
             self.region.sac.append(t.buf)
         return t
 
-
-def region_autocast(region: _Region) -> bool:
-    return getattr(region, "autocast", False)
 
 
 class _Ops(_Replay):
@@ -978,7 +976,19 @@ def parameter_shapes(model: ModelConfig, setup: TrainingSetup | None = None) -> 
 
 
 def count_parameters(model: ModelConfig, setup: TrainingSetup | None = None, *, trainable_only: bool = False) -> int:
-    """Parameter elements of the model (with LoRA adapters when ``setup`` has a rank)."""
+    """Parameter elements of a ``ModelConfig`` (its LoRA adapters included when ``setup`` has a rank).
+
+    Unlike ``utils.count_parameters``, which counts a built ``nn.Module``, this counts from the shape alone,
+    so a 70B model needs no memory: ``count_parameters(PRESETS["70B"]) == 68_976_648_192``, the published count.
+
+    Args:
+        model: the shape.
+        setup: for LoRA's adapters and frozen weights (default: full fine-tuning).
+        trainable_only: count only what trains (the adapters, under LoRA).
+
+    Returns:
+        Elements (an int).
+    """
     return sum(math.prod(shape) for _, shape, trainable in parameter_shapes(model, setup)
                if trainable or not trainable_only)
 
@@ -2272,6 +2282,11 @@ def measure_reference_step(model: ModelConfig, setup: TrainingSetup, *, device: 
     from .models import make_token_data
 
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("measuring on 'cuda' needs a CUDA GPU, and torch.cuda.is_available() is False here: "
+                           "expected device='cpu' (the exact tracker)")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"expected device 'cpu' or 'cuda', got {str(device)!r}")
     setup = replace(setup, device="cuda" if device.type == "cuda" else "cpu")
     if model.arch == "gpt" and setup.seq_len > model.max_seq_len:
         raise ValueError(f"seq_len {setup.seq_len} exceeds max_seq_len {model.max_seq_len}")
@@ -2289,7 +2304,7 @@ def measure_reference_step(model: ModelConfig, setup: TrainingSetup, *, device: 
     before_step = mem.timeline[optimizer_index - 1].bytes
     boundaries = {phase: value for phase, value in ends.items() if phase not in ("start", "end")}
     # torch.optim keeps `step` on the host unless fused: count what lives on the measured device
-    state = [t for t in _state_tensors(optimizer) if t.device == device] + codebooks
+    state = [t for t in _state_tensors(optimizer) if t.device.type == device.type] + codebooks
     return StepBytes(parameters=tensor_bytes(list(net.parameters()) + list(net.buffers())),
                      optimizer_state=tensor_bytes(state), inputs=tensor_bytes([tokens, targets]),
                      activations=ends[last], loss=ends["m0.head"] - ends[last], gradients=before_step,
@@ -2383,7 +2398,14 @@ def validation_grid(check: bool = False) -> list[tuple[str, ModelConfig, Trainin
 
 @dataclass(frozen=True)
 class ValidationRow:
-    """One configuration of the grid: predicted and measured ``StepBytes``."""
+    """One configuration of the grid: predicted and measured ``StepBytes``.
+
+    Attributes:
+        label: the configuration's name in the grid.
+        model, setup: what was predicted and measured.
+        predicted: ``predict_step_bytes(model, setup)``.
+        measured: ``measure_reference_step(model, setup)``.
+    """
 
     label: str
     model: ModelConfig
@@ -2436,11 +2458,11 @@ def validate(grid: Sequence[tuple[str, ModelConfig, TrainingSetup]] | None = Non
 
 
 def worst_errors(rows: Sequence[ValidationRow]) -> dict[str, float]:
-    """Term -> the largest relative error over the rows."""
+    """Term (``MEASURED_TERMS``) -> the largest relative error |predicted - measured| / measured over the rows."""
     return {term: max((row.errors()[term] for row in rows), default=0.0) for term in MEASURED_TERMS}
 
 
-VALIDATION_HEADER = f"{'configuration':<40}{'predicted':>10}{'measured':>10}{'diff':>6}  {'peak in':<44}terms"
+VALIDATION_HEADER = f"{'configuration (peak, bytes)':<42}{'predicted':>13}{'measured':>13}{'diff':>6}  {'peak in':<44}terms"
 
 
 def format_validation_row(row: ValidationRow) -> str:
@@ -2448,7 +2470,7 @@ def format_validation_row(row: ValidationRow) -> str:
     diff = row.differences()
     worst = max(diff, key=lambda term: abs(diff[term]))
     where = _phase_label(_replay(row.model, row.setup).peak_phase, row.setup)
-    text = (f"{row.label:<40}{row.predicted.peak:>10,}{row.measured.peak:>10,}{diff['peak']:>+6,}  {where:<44}"
+    text = (f"{row.label:<42}{row.predicted.peak:>13,}{row.measured.peak:>13,}{diff['peak']:>+6,}  {where:<44}"
             f"{'all equal' if not any(diff.values()) else f'largest difference: {worst} {diff[worst]:+,} B'}")
     return text + ("" if row.boundaries_equal else "  (phase boundaries differ)")
 
