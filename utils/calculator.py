@@ -114,6 +114,10 @@ class ModelConfig:
     Raises:
         ValueError: non-positive sizes, heads that do not divide the width, key/value heads that do
             not divide the heads, an unknown ``arch``.
+
+    Example:
+        >>> gpt2_small = ModelConfig(num_layers=12, d_model=768, num_heads=12, vocab_size=50257, max_seq_len=1024)
+        >>> count_parameters(gpt2_small)          # GPT-2 small's shape, with an untied head
     """
 
     num_layers: int
@@ -206,6 +210,10 @@ class TrainingSetup:
     Raises:
         ValueError: an unknown choice, a non-positive size, a strategy that needs more ranks than
             given, a ``"fused"`` optimizer torch does not fuse.
+
+    Example:
+        >>> TrainingSetup(micro_batch=4, seq_len=2048, checkpointing="every_block", lora_rank=16)
+        >>> TrainingSetup(seq_len=4096, strategy="fsdp", ranks=64, optimizer_impl="fused")
     """
 
     micro_batch: int = 1
