@@ -365,6 +365,8 @@ EXPECTED_FIGURES = {
         "fsdp_over_ddp_step_time": lambda v, f: v > 0,
         "dcp_reshard_weight_difference": lambda v, f: v < 5e-4,
         "gpus_for_70b_fsdp": lambda v, f: v == 32,
+        "calculator_7b_fsdp_peak_gib": lambda v, f: 0 < v <= 0.9 * 80e9 / 2**30,   # the whole step fits its 2 GPUs
+        "calculator_70b_autocast_copies_gib": lambda v, f: v > 1.5 * 69e9 / 2**30,  # ~2 bytes per parameter, unsharded
     },
     "09_fine_tuning_lora_and_optimizer_memory": {
         "top_over_bottom_frozen_activations": lambda v, f: v > 1,
