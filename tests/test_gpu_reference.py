@@ -74,7 +74,7 @@ def _run(tmp_path: Path, *args: str, **variables: str) -> subprocess.CompletedPr
            "GPU_REFERENCE_RUNNER": f"{sys.executable} {stub}", "GPU_REFERENCE_BUILD": str(tmp_path / "build"),
            "GPU_REFERENCE_RESULTS": str(tmp_path / "results"), "GPU_REFERENCE_RUNS": str(tmp_path / "runs"),
            "OUT": str(tmp_path / "out"), "KERNEL_PID_FILE": str(tmp_path / "kernel.pid"),
-           "GPU_REFERENCE_PYTEST_ARGS": "--version", **variables}
+           "GPU_REFERENCE_PYTEST_ARGS": "--version", "GPU_REFERENCE_CALCULATOR_ARGS": "--help", **variables}
     return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -131,7 +131,8 @@ def test_the_pack_fits_a_device_call_and_holds_the_filed_run(dry_run):
     with tarfile.open(tmp_path / "out" / "reference.tar.gz") as pack:
         members = set(pack.getnames())
     assert {"summary.txt", "status.json", "environment.json", f"filed/{slug}/results.json",
-            f"filed/{slug}/figures/00_stub.png", f"filed/{slug}/reference_run.json", f"logs/{_stem('01')}.log"} <= members
+            f"filed/{slug}/figures/00_stub.png", f"filed/{slug}/reference_run.json", f"logs/{_stem('01')}.log",
+            "calculator_validation.txt"} <= members
     assert not any("some-other-device" in name for name in members), "only this device's folder is packed"
     filed = json.loads((tmp_path / "build" / "filed" / slug / "results.json").read_text())
     assert [entry["notebook"][:2] for entry in filed] == ["00"], "only the notebook that passed is filed"

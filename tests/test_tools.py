@@ -211,3 +211,15 @@ def test_readme_section_matches_results(tmp_path):
     _, section, _ = readme_results.split_readme(readme.read_text())
     assert section == readme_results.render_section(devices, ROOT), \
         "README.md's measured section is stale: run `python tools/readme_results.py` (make results does)"
+
+
+def test_readme_calculator_example_is_what_the_calculator_prints(capsys):
+    """The README shows `python -m utils.calculator --preset 7B` and its output: a copy that cannot go stale."""
+    from utils import calculator
+
+    text = (ROOT / "README.md").read_text()
+    command = "$ python -m utils.calculator --preset 7B\n"
+    assert command in text, "README.md shows the calculator's 7B example"
+    shown = text.split(command, 1)[1].split("```", 1)[0]
+    calculator.main(["--preset", "7B"])
+    assert capsys.readouterr().out == shown, "README.md's calculator example is stale: paste the command's output"

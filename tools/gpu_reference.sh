@@ -19,6 +19,8 @@
 # Variables: OUT (where the pack goes; default build/gpu-reference-out, or build/gpu-reference-dry-out),
 # GPU_REFERENCE_BUDGET_S (total seconds, default 540), GPU_REFERENCE_NOTEBOOK_TIMEOUT_S (per notebook, default 300),
 # GPU_REFERENCE_TESTS_TIMEOUT_S (default 120), GPU_REFERENCE_PYTEST_ARGS (the unit tests; empty or --no-tests: none),
+# GPU_REFERENCE_CALCULATOR_ARGS (the memory calculator's grid measured on this device, `python -m utils.calculator
+# ARGS`; default --validate --on cuda, in a dry run --validate --check --on cpu; empty or --no-tests: none),
 # GPU_REFERENCE_DRY_RUN=1 (= --dry-run), PYTHON (the interpreter), GPU_REFERENCE_BUILD (the work folder),
 # GPU_REFERENCE_WHEELS (default .whl/), GPU_REFERENCE_RESULTS (the results/ folder filed onto and unpacked into),
 # GPU_REFERENCE_RUNS (where --unpack puts whole runs, default build/gpu-reference-runs), GPU_REFERENCE_PART_MIB
@@ -39,7 +41,7 @@ while [ $# -gt 0 ]; do
         --dry-run) DRY_RUN=1 ;;
         --wheels) MODE=wheels ;;
         --unpack) MODE=unpack; UNPACK_FROM=${2:-}; shift ;;
-        --no-tests) GPU_REFERENCE_PYTEST_ARGS="" ;;
+        --no-tests) GPU_REFERENCE_PYTEST_ARGS=""; GPU_REFERENCE_CALCULATOR_ARGS="" ;;
         -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         -*) echo "unknown option $1 (expected --dry-run, --no-tests, --wheels, --unpack DIR or notebook numbers)" >&2
             exit 2 ;;
@@ -131,10 +133,12 @@ tests/test_timing_grads_models.py tests/test_gpu_sizes.py}
 PACK_RESERVE_S=25          # kept back from the budget for filing and packing
 MIN_NOTEBOOK_S=30          # a notebook with less time left than this is not started
 if [ "$DRY_RUN" = 1 ]; then
+    CALCULATOR_ARGS=${GPU_REFERENCE_CALCULATOR_ARGS---validate --check --on cpu}
     PY=${PYTHON:-$ROOT/.venv/bin/python}
     BUILD=${GPU_REFERENCE_BUILD:-$ROOT/build/gpu-reference-dry}
     export PYTORCH_INTRO_CHECK_MODE=1
 else
+    CALCULATOR_ARGS=${GPU_REFERENCE_CALCULATOR_ARGS---validate --on cuda}
     PY=${PYTHON:-python3}
     BUILD=${GPU_REFERENCE_BUILD:-$ROOT/build/gpu-reference}
     export PYTORCH_INTRO_CHECK_MODE=0
@@ -265,7 +269,7 @@ pack() {   # summary, results, logs, the filed folder -> $OUT/reference.tar.gz; 
     summarize || return 1
     cp "$BUILD/summary.txt" "$OUT_DIR/summary.txt" || return 1
     local members=(summary.txt status.json environment.json nvidia-smi.txt logs)
-    for extra in filed run/runtimes.json run/results run/results.json run/figures tests.log; do
+    for extra in filed run/runtimes.json run/results run/results.json run/figures tests.log calculator_validation.txt; do
         [ -e "$BUILD/$extra" ] && members+=("$extra")
     done
     tar -czf "$OUT_DIR/reference.tar.gz" -C "$BUILD" "${members[@]}" || return 1
@@ -322,6 +326,14 @@ if [ -n "$PYTEST_ARGS" ]; then
     esac
     "$PY" -c "import json, sys; json.dump(dict(status=sys.argv[1], line=sys.argv[2]), open(sys.argv[3], 'w'))" \
         "$verdict" "${last:-no summary line} in $took s" "$BUILD/tests.json"
+fi
+
+# the memory calculator's validation grid on this device: its prediction against the allocator (issue 24)
+if [ -n "$CALCULATOR_ARGS" ]; then
+    # shellcheck disable=SC2086
+    timeout --kill-after=10 "$TESTS_TIMEOUT_S" "$PY" -m utils.calculator $CALCULATOR_ARGS \
+        > "$BUILD/calculator_validation.txt" 2>&1 \
+        || echo "python -m utils.calculator $CALCULATOR_ARGS: exit $?" >> "$BUILD/calculator_validation.txt"
 fi
 
 DEADLINE=$((STARTED + BUDGET_S))

@@ -63,6 +63,10 @@ LEAD_FIGURES: list[tuple[str, str, str]] = [
      "loss peak memory, chunked cross-entropy vs the plain one"),
     ("07_what_frees_memory", "optimizer_in_backward_peak_ratio",
      "peak memory with the optimizer step in backward vs after it"),
+    ("09_fine_tuning_lora_and_optimizer_memory", "lora_widest_over_full",
+     "widest model one budget fine-tunes, LoRA vs full fine-tuning"),
+    ("10_long_sequences_attention_memory", "longest_sequence_sdpa_checkpointed",
+     "longest sequence one budget trains with SDPA + checkpointing"),
 ]
 SPEEDUP = re.compile(r"speed-?up", re.IGNORECASE)
 
@@ -109,6 +113,14 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
     "13_capstone_fit_then_fast": [
         ("largest_batch_fp32", "largest batch that fits the memory budget, fp32"),
         ("largest_batch_best", "largest batch that fits the same budget, best technique"),
+    ],
+    "09_fine_tuning_lora_and_optimizer_memory": [
+        ("lora_widest_over_full", "widest model under one budget, LoRA vs full fine-tuning"),
+        ("adamw8bit_state_bytes_per_param", "optimizer state per parameter, 8-bit blockwise AdamW (AdamW: 8)"),
+    ],
+    "10_long_sequences_attention_memory": [
+        ("naive_over_fused_saved_bytes", "bytes kept for backward, naive attention vs the fused (flash) kernel"),
+        ("longest_sequence_sdpa_checkpointed", "longest sequence one budget fits, SDPA + checkpointing"),
     ],
     "11_distributed_ddp_zero_fsdp": [
         ("max_weight_difference_vs_one_process", "weight difference, N ranks vs one process with the whole batch"),
