@@ -355,35 +355,6 @@ def test_largest_batches_runs_its_cuda_path(fake):
     assert len(fake.called("empty_cache")) >= len(configurations)
 
 
-# --- utils/state.py: the CUDA generator of every device -----------------------------------------------------------
-
-def test_rng_state_of_every_gpu_is_captured_and_restored(fake, tmp_path):
-    state = utils.capture_rng_state()
-    assert len(state["cuda"]) == 2
-    first = [fake.draw(0), fake.draw(1), fake.draw(1)]
-    path = tmp_path / "rng.pt"
-    torch.save(state, path)
-    utils.restore_rng_state(torch.load(path, weights_only=True))
-    assert [fake.draw(0), fake.draw(1), fake.draw(1)] == first
-    (restored,), _ = fake.called("set_rng_state_all")[-1]
-    assert all(s.device.type == "cpu" and s.dtype == torch.uint8 for s in restored)
-
-
-def test_rng_state_refuses_a_different_number_of_gpus(fake, make_fake):
-    state = utils.capture_rng_state()
-    make_fake(device_count=1)
-    with pytest.raises(ValueError, match="RNG state of 2 GPUs, this machine has 1"):
-        utils.restore_rng_state(state)
-
-
-def test_rng_state_before_cuda_starts_holds_no_cuda_state(fake, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    state = utils.capture_rng_state()
-    assert state["cuda"] is None
-    utils.restore_rng_state(state)               # restores the rest, leaves the GPUs' generators alone
-    assert not fake.called("set_rng_state_all")
-
-
 # --- utils/distributed.py: the backend a launch picks, the allocator's live bytes -------------------------------
 
 class _Launched(Exception):

@@ -28,29 +28,6 @@ def _recipe() -> str:
     return "\n\n".join(cells[cell_id] for cell_id in RECIPE_CELLS)
 
 
-def test_rng_round_trip_covers_python_numpy_torch():
-    state = utils.capture_rng_state()
-    first = (random.random(), float(np.random.rand()), torch.rand(3))
-    utils.restore_rng_state(state)
-    second = (random.random(), float(np.random.rand()), torch.rand(3))
-    assert first[0] == second[0] and first[1] == second[1] and torch.equal(first[2], second[2])
-
-
-def test_rng_state_survives_a_weights_only_round_trip(tmp_path):
-    state = utils.capture_rng_state()
-    expected = (random.random(), float(np.random.rand()), torch.rand(2))
-    torch.save(state, tmp_path / "rng.pt")
-    utils.restore_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
-    assert (random.random(), float(np.random.rand())) == expected[:2] and torch.equal(torch.rand(2), expected[2])
-
-
-def test_restore_rng_state_rejects_bad_input():
-    with pytest.raises(TypeError, match="capture_rng_state"):
-        utils.restore_rng_state([1, 2])
-    with pytest.raises(ValueError, match="lacks"):
-        utils.restore_rng_state({"python": random.getstate()})
-
-
 def test_recipe_namespace_needs_the_recipe_and_its_functions():
     with pytest.raises(TypeError, match="source text"):
         recipe_namespace(b"def f(): pass", SETTINGS)

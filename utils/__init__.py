@@ -28,7 +28,7 @@ from .profiling import (BOTTLENECK_VERDICTS, DataWaitTimer, RandomDrawDataset, S
                         classify_bottleneck, linear_arithmetic_intensity, linear_flops, range_times_ms,
                         recommend_num_workers, seed_worker, step_breakdown_ms, validate_trace, workers_needed)
 from .results import Results, load_results
-from .state import capture_rng_state, expected_overhead, restore_rng_state, simulate_preemptions, young_daly_interval
+from .state import expected_overhead, simulate_preemptions, young_daly_interval
 from .timing import Timing, speedup, time_fn
 
 __all__ = [
@@ -56,7 +56,7 @@ __all__ = [
     "linear_arithmetic_intensity", "linear_flops", "range_times_ms", "recommend_num_workers", "seed_worker",
     "step_breakdown_ms", "validate_trace", "workers_needed",
     "Results", "load_results",
-    "capture_rng_state", "expected_overhead", "restore_rng_state", "simulate_preemptions", "young_daly_interval",
+    "expected_overhead", "simulate_preemptions", "young_daly_interval",
     "Timing", "speedup", "time_fn",
 ]
 

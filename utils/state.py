@@ -1,13 +1,11 @@
-"""What notebook 12 keeps out of its recipe: the arithmetic of how often to save, and two shared pieces.
+"""What notebook 12 keeps out of its recipe: the arithmetic of how often to save, and a folder fsync.
 
 Notebook 12 writes the checkpoint recipe itself in plain PyTorch (the complete training state, an
 atomic save, a ``torch.load(weights_only=True)`` restore) and runs it. What stays here:
 
 - how often to save: Young's and Daly's interval, the expected overhead, and a simulation of
   preemptions that checks them (``young_daly_interval``, ``expected_overhead``, ``simulate_preemptions``);
-- ``_fsync_directory``, which makes a rename durable (the distributed checkpoint of notebook 11 uses it);
-- ``capture_rng_state`` / ``restore_rng_state``: every generator (Python, NumPy, torch's CPU and each
-  CUDA device's) as plain containers, the same calls as the recipe's RNG lines plus NumPy.
+- ``_fsync_directory``, which makes a rename durable (the distributed checkpoint of notebook 11 uses it).
 """
 
 from __future__ import annotations
@@ -16,78 +14,6 @@ import math
 import os
 import random
 from pathlib import Path
-from typing import Any, Mapping
-
-import torch
-
-try:  # NumPy is optional: its generator is captured only where it is installed
-    import numpy as np
-except ImportError:  # pragma: no cover - numpy is installed with the course
-    np = None
-
-_RNG_KEYS = ("python", "numpy", "torch", "cuda")
-
-
-# --- random generators ------------------------------------------------------------------------
-
-def capture_rng_state() -> dict[str, Any]:
-    """The state of every random generator a training step may draw from, as plain containers.
-
-    Why: dropout masks, data augmentation and shuffling draw from these generators; a resumed run
-    that does not restore them draws different numbers from the step it resumes at.
-
-    Returns:
-        ``{"python": ..., "numpy": ... or None, "torch": ByteTensor, "cuda": [ByteTensor, ...] or None}``.
-        Python's state is a tuple of ints, NumPy's key array becomes an int64 tensor, so the
-        whole thing loads with ``torch.load(weights_only=True)``.
-
-    Example:
-        >>> rng = capture_rng_state(); a = torch.rand(1); restore_rng_state(rng); b = torch.rand(1)
-        >>> bool(a == b)
-        True
-    """
-    numpy_state = None
-    if np is not None:
-        legacy = np.random.get_state(legacy=False)  # the global np.random generator (MT19937)
-        numpy_state = {"bit_generator": legacy["bit_generator"],
-                       "key": torch.from_numpy(legacy["state"]["key"].astype(np.int64)),
-                       "pos": int(legacy["state"]["pos"]), "has_gauss": int(legacy["has_gauss"]),
-                       "gauss": float(legacy["gauss"])}
-    cuda_state = None
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        cuda_state = torch.cuda.get_rng_state_all()  # one ByteTensor per visible GPU
-    return {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state(), "cuda": cuda_state}
-
-
-def restore_rng_state(state: Mapping[str, Any]) -> None:
-    """Put every random generator back where ``capture_rng_state`` found it.
-
-    Args:
-        state: what ``capture_rng_state`` returned (possibly after a save and a load).
-
-    Raises:
-        TypeError: ``state`` is not a mapping.
-        ValueError: keys are missing, or the CUDA state was captured on a machine with a different
-            number of GPUs (restoring half of them would silently differ).
-    """
-    if not isinstance(state, Mapping):
-        raise TypeError(f"expected the dict capture_rng_state() returned, not {type(state).__name__}")
-    missing = [key for key in _RNG_KEYS if key not in state]
-    if missing:
-        raise ValueError(f"RNG state lacks {missing}; expected the keys {list(_RNG_KEYS)}")
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))  # a load may turn the inner tuple into a list
-    if state["numpy"] is not None and np is not None:
-        numpy_state = state["numpy"]
-        np.random.set_state({"bit_generator": numpy_state["bit_generator"],
-                             "state": {"key": numpy_state["key"].numpy().astype(np.uint32), "pos": numpy_state["pos"]},
-                             "has_gauss": numpy_state["has_gauss"], "gauss": numpy_state["gauss"]})
-    torch.set_rng_state(state["torch"].cpu())
-    if state["cuda"] is not None and torch.cuda.is_available():
-        if len(state["cuda"]) != torch.cuda.device_count():
-            raise ValueError(f"the checkpoint holds the RNG state of {len(state['cuda'])} GPUs, "
-                             f"this machine has {torch.cuda.device_count()}")
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 # --- files -------------------------------------------------------------------------------------
