@@ -283,6 +283,83 @@ def predict_08(p: dict) -> dict[str, int]:
     }
 
 
+def predict_09(p: dict) -> dict[str, int]:
+    """09 fine-tuning: full fine-tuning of its TinyTransformer in fp32 with AdamW at the sweep's largest batch (the
+    memory calculator's replay of that step), two more copies of the weights alive beside it (the frozen base and
+    a merged copy), and section 5's searches, each under ``SEARCH_BUDGET_MIB``.
+    """
+    from utils import calculator as calc
+
+    model = calc.ModelConfig(p["NUM_LAYERS"], p["D_MODEL"], p["NUM_HEADS"], p["VOCAB"], max_seq_len=p["SEQ_LEN"])
+    batch = max((*p["BATCH_SIZES"], p["BATCH_SIZE"]))
+    step = calc.predict(model, calc.TrainingSetup(micro_batch=batch, seq_len=p["SEQ_LEN"], precision="fp32",
+                                                  optimizer="adamw", optimizer_impl="foreach", device="cuda"))
+    return {
+        "full fine-tuning step, fp32 AdamW, the largest batch (calculator)": step.total,
+        "two more fp32 copies of the weights": 2 * 4 * step.num_parameters,
+        "section 5's search budget": p["SEARCH_BUDGET_MIB"] * 2**20,
+    }
+
+
+def predict_10(p: dict) -> dict[str, int]:
+    """10 long sequences: its sections run one after another and free what they measured (each builds a fresh
+    model), so the peak is the largest section's, plus the documents and model kept throughout (small):
+
+    - section 1: the attention calls, kept inside ``ATTENTION_BUDGET_MIB`` by their prediction, with inputs and
+      gradients (O(L), far smaller than the saved bytes; half the budget again covers them);
+    - section 3: one naive layer at ``LAYER_SEQ_LEN``, its saved bytes twice over during backward;
+    - section 4: the padded batch's blocks or the packed row's blocks with its dense float mask (``S²·4``; S from the
+      notebook's own seeded lengths), fused-kernel bytes (``utils.layer_activation_bytes``) twice over during
+      backward, plus the logits and their gradient;
+    - section 5: the search budget ``FIT_BUDGET_MIB``.
+    """
+    heads, width, layers, vocab = p["NUM_HEADS"], p["D_MODEL"], p["NUM_LAYERS"], p["VOCAB_SIZE"]
+    lengths = utils.sample_document_lengths(p["NUM_DOCUMENTS"], mean_length=p["MEAN_DOC_LEN"],
+                                            max_length=p["MAX_DOC_LEN"], min_length=2, seed=p["SEED"])
+    longest, total = max(lengths), sum(lengths)
+
+    def blocks(batch: int, seq: int) -> int:
+        return 2 * layers * utils.layer_activation_bytes(batch, seq, width, heads).total_bytes
+
+    sections = {
+        "section 1: attention calls, inputs and gradients": 3 * p["ATTENTION_BUDGET_MIB"] * 2**20 // 2,
+        "section 3: one naive layer": 2 * utils.layer_activation_bytes(
+            p["LAYER_BATCH"], p["LAYER_SEQ_LEN"], width, heads, attention="naive").total_bytes,
+        "section 4: padded or packed blocks, the dense mask, the logits": (
+            max(blocks(p["NUM_DOCUMENTS"], longest), blocks(1, total) + 4 * total * total)
+            + 3 * 4 * max(p["NUM_DOCUMENTS"] * longest, total) * vocab),
+        "section 5: the search budget": p["FIT_BUDGET_MIB"] * 2**20,
+    }
+    largest = max(sections, key=sections.get)
+    model = _meta(lambda: utils.TinyTransformer(vocab, width, heads, layers, max_seq_len=p["MAX_SEQ_LEN"]))
+    return {largest: sections[largest],
+            "kept throughout: a model with AdamW, the documents": _state(model) + 8 * total}
+
+
+def predict_11(p: dict) -> dict[str, int]:
+    """11 distributed: with one GPU per rank (NCCL), each rank holds DDP's 20 bytes per parameter (weights,
+    gradients, buckets, AdamW's two moments) of the 4-layer MLP, ``HIDDEN`` wide, and a micro-batch's activations;
+    with fewer GPUs than ranks the ranks run on the CPU and the GPU holds nothing of theirs.
+    """
+    if p["LAUNCH_DEVICE"] != "cuda":
+        return {"ranks on the CPU: nothing on the GPU": 0}
+    hidden = p["HIDDEN"]
+    parameters = p["LAYERS"] * (hidden * hidden + hidden)
+    return {"DDP per rank, 20 B per parameter": 20 * parameters,
+            "a micro-batch's activations and their gradients": 2 * 4 * p["GLOBAL_BATCH"] * hidden * p["LAYERS"]}
+
+
+def predict_12(p: dict) -> dict[str, int]:
+    """12 checkpoint and resume: section 5's timed model (4 layers ``TIMED_HIDDEN`` wide with AdamW's state, 16 B per
+    parameter), a CPU copy aside, and the resumed MLP with its state (``HIDDEN_FEATURES`` wide)."""
+    timed = 4 * (p["TIMED_HIDDEN"] ** 2 + p["TIMED_HIDDEN"])
+    resumed = (p["IN_FEATURES"] * p["HIDDEN_FEATURES"] + 2 * p["HIDDEN_FEATURES"] ** 2
+               + p["HIDDEN_FEATURES"] * p["NUM_CLASSES"] + 4 * p["HIDDEN_FEATURES"])
+    return {"the timed model with AdamW": 16 * timed,
+            "its activations at the timed batch": 4 * 4 * p["BATCH_SIZE"] * p["TIMED_HIDDEN"],
+            "the resumed MLP with AdamW": 16 * resumed}
+
+
 def predict_13(p: dict) -> dict[str, int]:
     """13 capstone (its parameters cell: the budget plus about 0.5 GiB).
 
@@ -305,6 +382,10 @@ PREDICTIONS: dict[str, Callable[[dict], dict[str, int]]] = {
     "06_profiling_where_the_time_goes": predict_06,
     "07_what_frees_memory": predict_07,
     "08_memory_budget_offloading_chunked_loss": predict_08,
+    "09_fine_tuning_lora_and_optimizer_memory": predict_09,
+    "10_long_sequences_attention_memory": predict_10,
+    "11_distributed_ddp_zero_fsdp": predict_11,
+    "12_checkpoint_and_resume": predict_12,
     "13_capstone_fit_then_fast": predict_13,
 }
 NOTEBOOKS = {path.stem: path for path in list_notebooks()}
