@@ -149,6 +149,10 @@ class FakeStream:
         self.device = torch.device("cuda", device_index)
         self.device_index = device_index
 
+    def is_capturing(self) -> bool:
+        """No CUDA graph is ever being captured on a fake stream."""
+        return False
+
 
 class FakeCuda:
     """Fake GPUs behind the ``torch.cuda`` functions ``utils/`` calls (see the module's docstring).
@@ -189,6 +193,9 @@ class FakeCuda:
                 raise AttributeError(f"torch {torch.__version__} has no torch.cuda.{name}: nothing to stand in for")
             monkeypatch.setattr(torch.cuda, name, self._checked(name, real, getattr(self, f"_{name}")))
         monkeypatch.setattr(torch.cuda, "Event", self._event_class())
+        # torch >= 2.14: torch.optim's step asks torch.accelerator for the current stream once CUDA is available
+        if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "current_stream"):
+            monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: self._current_stream(device))
         return self
 
     def _checked(self, name: str, real: Callable, impl: Callable) -> Callable:
