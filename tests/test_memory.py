@@ -62,6 +62,17 @@ def test_phases_label_the_timeline():
     assert max(mem.phase_peak_bytes().values()) == mem.peak_bytes
 
 
+def test_a_phase_that_only_frees_peaks_where_it_began():
+    with utils.measure_memory("cpu", phase="fill") as mem:
+        kept = [torch.empty(1000) for _ in range(3)]          # 3 x 4,000 bytes
+        mem.phase("free")
+        del kept[0], kept[0]                                  # the phase's first sample is already lower
+        mem.phase("fill")                                     # a phase entered again starts at the level left
+        kept.append(torch.empty(250))
+    assert mem.phase_peak_bytes() == {"fill": 12_000, "free": 12_000}
+    assert mem.phase_end_bytes() == {"fill": 5_000, "free": 4_000}
+
+
 def test_timeline_off_keeps_endpoints():
     with utils.measure_memory("cpu", timeline=False) as mem:
         kept = [torch.empty(10) for _ in range(5)]

@@ -151,10 +151,20 @@ class MemoryMeasurement:
         return to_mib(self.end_bytes)
 
     def phase_peak_bytes(self) -> dict[str, int]:
-        """The highest sample of each phase, in order of first appearance."""
+        """The highest level of each phase, in order of first appearance.
+
+        A phase starts at the level the previous one left (0 for the region's first phase, the baseline), so
+        that level counts too: a phase that only frees peaks where it began, not at its first sample after
+        a free.
+        """
         peaks: dict[str, int] = {}
+        level, current_phase = 0, None
         for sample in self.timeline:
-            peaks[sample.phase] = max(peaks.get(sample.phase, sample.bytes), sample.bytes)
+            if sample.phase != current_phase:      # entering a phase (again): it starts at the level left
+                current_phase = sample.phase
+                peaks[current_phase] = max(peaks.get(current_phase, level), level)
+            peaks[current_phase] = max(peaks[current_phase], sample.bytes)
+            level = sample.bytes
         return peaks
 
     def phase_end_bytes(self) -> dict[str, int]:
