@@ -182,6 +182,7 @@ def test_bad_inputs_are_refused_with_clear_messages(tmp_path, capsys):
 def test_course_section_is_read_from_the_notebooks(tmp_path):
     """Titles, pitches and the GPU column come from each notebook's first cell; reading time from its size."""
     notebook = {"cells": [{"cell_type": "markdown", "source": "# 42 · A topic: with a subtitle\n\nThe pitch,\nin two lines."
+                           "\n\n- what to do on a GPU: `torch.cuda.synchronize()`"     # not the Prerequisites' GPU
                            "\n\n**Prerequisites**: none. GPU: recommended (tensor cores).", "metadata": {}},
                           {"cell_type": "markdown", "source": " ".join(["word"] * 1000), "metadata": {}},
                           {"cell_type": "code", "source": "x = 1\n\n" * 60, "metadata": {}}]}

@@ -249,7 +249,7 @@ class NotebookInfo:
     stem: str
     title: str            # after "# NN · "
     pitch: str            # the first paragraph after the title
-    gpu: str              # the first clause after "GPU:" in Prerequisites ("optional", "recommended", ...)
+    gpu: str              # the clause after "GPU:" in the Prerequisites line ("optional", "recommended", ...)
     reading_minutes: int  # rounded up to 5 minutes
 
     @property
@@ -283,7 +283,7 @@ def notebook_info(path: Path) -> NotebookInfo:
     title = re.match(r"# \d\d · (.+)", paragraphs[0]) if paragraphs else None
     if title is None or len(paragraphs) < 2:
         raise ReadmeError(f"{path.name}: the first cell must start with '# NN · Title' and a pitch paragraph")
-    gpu = re.search(r"GPU: ([^;.(]+)", first)
+    gpu = re.search(r"\*\*Prerequisites\*\*[^\n]*?GPU: ([^;.(]+)", first)   # the GPU clause of the Prerequisites
     return NotebookInfo(path.stem, title.group(1).strip(), paragraphs[1].replace("\n", " "),
                         gpu.group(1).strip() if gpu else "–", reading_minutes(notebook))
 
