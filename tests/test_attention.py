@@ -14,7 +14,7 @@ from utils.attention import KERNELS
 
 
 def naive_attention(q, k, v):
-    """Notebook 10's written-out causal attention (the formula's "naive" kernel)."""
+    """Notebook 11's written-out causal attention (the formula's "naive" kernel)."""
     seq = q.shape[-2]
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
@@ -30,7 +30,7 @@ def run_attention(kernel, q, k, v):
 
 
 def block_forward(block, x, kernel):
-    """utils.TransformerBlock's forward with the attention chosen (what notebook 10's block_forward does)."""
+    """utils.TransformerBlock's forward with the attention chosen (what notebook 11's block_forward does)."""
     batch, seq, width = x.shape
     q, k, v = block.qkv(block.norm1(x)).split(width, dim=-1)
     q, k, v = (t.view(batch, seq, block.num_heads, -1).transpose(1, 2) for t in (q, k, v))

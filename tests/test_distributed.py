@@ -1,5 +1,5 @@
 """utils.parallel (predictions, launcher checks) and utils.distributed (the training script), plus the memory
-tracker's handling of DTensors and storages resized outside the dispatcher (notebook 11). No torchrun launch
+tracker's handling of DTensors and storages resized outside the dispatcher (notebook 12). No torchrun launch
 here: the script runs in-process as a one-rank job. Its CUDA branches (the NCCL choice, the allocator's live
 bytes) run against a fake torch.cuda in tests/test_cuda_paths.py."""
 

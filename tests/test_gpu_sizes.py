@@ -383,10 +383,10 @@ PREDICTIONS: dict[str, Callable[[dict], dict[str, int]]] = {
     "07_what_frees_memory": predict_07,
     "08_memory_budget_offloading_chunked_loss": predict_08,
     "09_fine_tuning_lora_and_optimizer_memory": predict_09,
-    "10_long_sequences_attention_memory": predict_10,
-    "11_distributed_ddp_zero_fsdp": predict_11,
-    "12_checkpoint_and_resume": predict_12,
-    "13_capstone_fit_then_fast": predict_13,
+    "11_long_sequences_attention_memory": predict_10,
+    "12_distributed_ddp_zero_fsdp": predict_11,
+    "14_checkpoint_and_resume": predict_12,
+    "15_capstone_fit_then_fast": predict_13,
 }
 NOTEBOOKS = {path.stem: path for path in list_notebooks()}
 

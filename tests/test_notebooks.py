@@ -40,20 +40,20 @@ CHECK_BUDGET_S = {"00_measuring_memory_and_time": 30, "01_parameter_footprint": 
                   # own cost), are fixed (~10 s)
                   "07_what_frees_memory": 25,
                   # subprocesses (a resumed run, killed writers, a SIGTERM) each import torch (~13 s)
-                  "12_checkpoint_and_resume": 30,
+                  "14_checkpoint_and_resume": 30,
                   # nine searches under a budget (each confirming its prediction in two tries), a ladder of
                   # small compiles (aot_eager in check mode on a CPU: a cold Inductor cache does not matter),
                   # eleven wrong answers (~20 s)
-                  "13_capstone_fit_then_fast": 40,
+                  "15_capstone_fit_then_fast": 40,
                   # process start dominates: each rank is a fresh Python that imports torch (~19 s)
-                  "11_distributed_ddp_zero_fsdp": 40,
+                  "12_distributed_ddp_zero_fsdp": 40,
                   # three one-block compiles on aot_eager_decomp_partition, no Inductor: a cold cache costs
                   # nothing (~15 s)
                   "08_memory_budget_offloading_chunked_loss": 30,
                   # five budgeted width searches, each building and training a model per width it tries (~10 s)
                   "09_fine_tuning_lora_and_optimizer_memory": 30,
                   # three budgeted sequence-length searches and their probes, the naive attention's L x L (~12 s)
-                  "10_long_sequences_attention_memory": 30}
+                  "11_long_sequences_attention_memory": 30}
 NBVAL_EXPECTED = ROOT / "tests" / "nbval_expected.json"
 
 
@@ -93,7 +93,7 @@ def test_structure(path):
     assert "sys.path" not in "\n".join(_source(c) for c in code), "import utils without sys.path edits"
 
 
-# "notebook 03", "notebooks 00 (measuring), 03 (checkpointing) and 05", "Notebook 12's": a number after
+# "notebook 03", "notebooks 00 (measuring), 03 (checkpointing) and 05", "Notebook 14's": a number after
 # "notebook(s)", then more numbers joined by commas, "and", "or", dashes, each maybe with its own "(topic)"
 _REFERENCE = re.compile(r"\b[Nn]otebooks? ((?:\d\d(?![\d%]| %)(?:'s)?(?: \([^)]*\))?(?:, | and | or |–|-| to )?)+)")
 _NUMBER_WITH_TOPIC = re.compile(r"(\d\d)(?:'s)?(?: \(([^)]*)\))?")
@@ -141,9 +141,33 @@ def test_notebook_references_point_to_the_notebook_they_mean():
     assert not problems, "\n".join(problems)
 
 
+def test_no_file_names_a_notebook_by_an_old_number():
+    """A notebook's file name under another number (the distributed notebook's under 11, once it became 12) is stale
+    wherever it appears: code, tests, tools, README, results; and a figure a notebook saves carries its number."""
+    import subprocess
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    texts = {}
+    for name in tracked:
+        path = ROOT / name
+        if path.suffix in {".py", ".md", ".ipynb", ".json", ".sh", ".toml", ".txt"} and path.is_file():
+            texts[name] = path.read_text(errors="replace")
+    problems = []
+    for notebook in NOTEBOOK_PATHS:
+        number, topic = notebook.stem[:2], notebook.stem[3:]
+        pattern = re.compile(rf"(?<![\w])(\d\d)_{re.escape(topic)}")
+        for name, text in texts.items():
+            problems += [f"{name}: {m.group(0)}" for m in pattern.finditer(text) if m.group(1) != number]
+        figures = re.findall(r'save_figure\([^,]+,\s*\\?"(\d\d)_', texts[f"notebooks/{notebook.name}"])
+        problems += [f"{notebook.name} saves a figure numbered {n}" for n in figures if n != number]
+    for figure in (ROOT / "results").glob("*/figures/*.png"):
+        if not any(p.stem.startswith(figure.name[:3]) for p in NOTEBOOK_PATHS):
+            problems.append(f"{figure.relative_to(ROOT)}: no notebook has its number")
+    assert not problems, "\n".join(problems)
+
+
 def test_reference_finder_reads_lists_and_topics():
-    found = notebook_references("see notebooks 00 (measuring), 03 (checkpointing) and 05; Notebook 12's save")
-    assert found == [("00", "measuring"), ("03", "checkpointing"), ("05", None), ("12", None)]
+    found = notebook_references("see notebooks 00 (measuring), 03 (checkpointing) and 05; Notebook 14's save")
+    assert found == [("00", "measuring"), ("03", "checkpointing"), ("05", None), ("14", None)]
     assert notebook_references("as in notebook 01, 30 % of each GPU") == [("01", None)]
 
 
@@ -315,7 +339,7 @@ EXPECTED_FIGURES = {
         "optimizer_in_backward_peak_ratio": lambda v, f: 0 < v < 1,
         "gradients_alive_at_update_max": lambda v, f: v == 1,
     },
-    "12_checkpoint_and_resume": {
+    "14_checkpoint_and_resume": {
         # the tensors are stored byte for byte; zip headers and the pickle add a few kilobytes
         "checkpoint_file_over_predicted": lambda v, f: v > 1,
         "checkpoint_overhead_bytes": lambda v, f: 0 < v < 64 * 1024,
@@ -336,7 +360,7 @@ EXPECTED_FIGURES = {
         "simulated_overhead_at_young": lambda v, f: 0 < v < 1,
         "spot_saving_fraction": lambda v, f: 0 < v < 0.9,
     },
-    "13_capstone_fit_then_fast": {
+    "15_capstone_fit_then_fast": {
         "recipe_gradient_relative_error": lambda v, f: 0 <= v < 0.02,      # 16-bit rounding, not a wrong step
         "calculator_minus_found_worst": lambda v, f: v <= 1,                 # the shapes alone, within one sequence
         "largest_batch_fp32": lambda v, f: v >= 1 and v == int(v),
@@ -354,7 +378,7 @@ EXPECTED_FIGURES = {
         "autocast_rung_speedup": lambda v, f: v > 0,
         "checkpoint_speed": lambda v, f: v > 0,
     },
-    "11_distributed_ddp_zero_fsdp": {
+    "12_distributed_ddp_zero_fsdp": {
         "launch_seconds_n2": lambda v, f: v > 0,
         "max_weight_difference_vs_one_process": lambda v, f: v < 5e-4,
         "no_sync_weight_difference": lambda v, f: v < 5e-4,
@@ -400,7 +424,7 @@ EXPECTED_FIGURES = {
         "chunked_peak_ratio_smallest_chunk": lambda v, f: 0 < v < 0.5,
         "chunked_step_time_ratio_smallest_chunk": lambda v, f: v > 0,
     },
-    "10_long_sequences_attention_memory": {
+    "11_long_sequences_attention_memory": {
         "attention_saved_bytes_max_error": lambda v, f: v == 0,                 # predicted to the byte on the CPU
         "attention_crossover_length": lambda v, f: abs(v - 4112 / 17) < 1e-9,   # B=1, H=4, D=16, fp32
         "attention_step_ms_naive": lambda v, f: v > 0,

@@ -123,3 +123,17 @@ def test_flat_gradients_concatenates_and_optionally_zeroes():
         utils.flat_gradients(model)
     with pytest.raises(TypeError):
         utils.flat_gradients([torch.zeros(1)])
+
+
+def test_compare_judges_against_the_noise_of_the_same_run():
+    from utils.timing import Timing, compare
+    steady = Timing("cpu", (10.0, 10.1, 9.9, 10.0, 10.05), 1)
+    twice_as_fast = Timing("cpu", (5.0, 5.05, 4.95, 5.0, 5.02), 1)
+    noisy = Timing("cpu", (8.0, 12.0, 9.0, 11.0, 10.0), 1)
+    assert compare(steady, twice_as_fast).verdict == "faster"
+    assert compare(twice_as_fast, steady).verdict == "slower"
+    assert compare(steady, noisy).verdict == "within noise"       # medians equal, spread wide
+    assert compare(steady, Timing("cpu", (5.0, 5.0), 0)).verdict == "too few repeats"
+    assert "within noise here" in compare(steady, noisy).sentence("b", "a")
+    with pytest.raises(ValueError, match="different devices"):
+        compare(steady, Timing("cuda", (1.0,) * 5, 0))

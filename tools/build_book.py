@@ -35,6 +35,7 @@ import nbformat  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 BOOK_CONF = ROOT / "book"
 TABLE_MARKER = "<!-- notebook-table -->"
+START_MARKER = "<!-- start-here -->"   # optional: the README's reading paths go there
 TITLE = re.compile(r"^#\s+(\d\d)\s*·\s*(.+?)\s*$")
 
 
@@ -99,9 +100,33 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _reading_minutes(page: Page) -> int:
+    """The README's reading-time estimate for one notebook (tools/readme_results.py holds the rule)."""
+    from tools.readme_results import reading_minutes
+    return reading_minutes(json.loads(page.path.read_text()))
+
+
+def start_here(pages: list[Page]) -> str:
+    """The README's "Start here" reading paths (tools/readme_results.START_HERE), as links between pages.
+
+    A path skips a notebook the book does not hold, as the README does.
+    """
+    from tools.readme_results import START_HERE
+    by_number = {page.number: page for page in pages}
+    lines = ["Pick the question you came with and read those notebooks in that order "
+             "(minutes are reading time, not run time); each one says what it expects you to know.", ""]
+    for question, numbers in START_HERE:
+        path = [by_number[n] for n in numbers if n in by_number]
+        if path:
+            lines.append(f"- **{question}**: " + " → ".join(
+                f"[{p.number} {p.title.split(':')[0]}](notebooks/{p.stem}.ipynb) ({_reading_minutes(p)} min)"
+                for p in path))
+    return "\n".join(lines) + "\n"
+
+
 def notebook_table(pages: list[Page], runtimes: dict | None, executed: set[str]) -> str:
     """The landing page's table (MyST markdown) and the hidden toctree that orders the navigation."""
-    rows = ["| # | notebook | what it is about | this book's run |", "|---|---|---|---|"]
+    rows = ["| # | notebook | what it is about | reading | this book's run |", "|---|---|---|---|---|"]
     for page in pages:
         run = latest_run(runtimes, page.stem) if page.stem in executed else None
         if page.stem not in executed:
@@ -113,7 +138,7 @@ def notebook_table(pages: list[Page], runtimes: dict | None, executed: set[str])
             state = "" if entry.get("ok", True) else ", **failed**"
             ran = f"{mode} mode, {entry['seconds']:.0f} s on {entry.get('device', 'an unnamed device')}{state}"
         link = f"[{_cell(page.title)}](notebooks/{page.stem}.ipynb)"
-        rows.append(f"| {page.number} | {link} | {_cell(page.pitch)} | {_cell(ran)} |")
+        rows.append(f"| {page.number} | {link} | {_cell(page.pitch)} | {_reading_minutes(page)} min | {_cell(ran)} |")
     toctree = ["```{toctree}", ":hidden:", ":maxdepth: 1", ":caption: Notebooks", ""]
     toctree += [f"notebooks/{page.stem}" for page in pages]
     toctree.append("```")
@@ -130,6 +155,7 @@ def landing_page(pages: list[Page], runtimes: dict | None, executed: set[str],
     text = template.read_text()
     if TABLE_MARKER not in text:
         raise ValueError(f"{template} must contain the line {TABLE_MARKER} where the notebook table goes")
+    text = text.replace(START_MARKER, start_here(pages))
     return text.replace(TABLE_MARKER, notebook_table(pages, runtimes, executed))
 
 

@@ -41,12 +41,12 @@ COURSE_END = "<!-- END course -->"
 # Reading paths: the question a learner arrives with, and the notebooks that answer it, in the order to read
 # them. Numbers that have no notebook (yet) are left out of the path.
 START_HERE: list[tuple[str, list[str]]] = [
-    ("My run is out of memory", ["00", "01", "03", "04", "07", "08", "13"]),
-    ("My step is slow", ["00", "06", "04", "05", "13"]),
-    ("I am fine-tuning a large model", ["01", "03", "04", "09", "13"]),
-    ("My sequences are long", ["03", "10", "08"]),
-    ("One GPU is not enough", ["01", "02", "11"]),
-    ("My job gets preempted", ["12", "11"]),
+    ("My run is out of memory", ["00", "01", "03", "04", "07", "08", "15"]),
+    ("My step is slow", ["00", "06", "04", "05", "15"]),
+    ("I am fine-tuning a large model", ["01", "03", "04", "09", "10", "15"]),
+    ("My sequences are long", ["03", "11", "08"]),
+    ("One GPU is not enough", ["01", "02", "12", "13"]),
+    ("My job gets preempted", ["14", "12"]),
 ]
 # Reading speeds behind the estimate: prose at 200 words a minute, code at 10 lines a minute (read, not run).
 PROSE_WORDS_PER_MINUTE = 200
@@ -54,9 +54,9 @@ CODE_LINES_PER_MINUTE = 10
 # The figures a learner came for, shown first (notebook, figure); each also keeps its place in the full table.
 LEAD_FIGURES: list[tuple[str, str, str]] = [
     ("03_activation_checkpointing", "every_block_memory_saving", "peak memory of a step saved by checkpointing every block"),
-    ("13_capstone_fit_then_fast", "largest_batch_gain",
+    ("15_capstone_fit_then_fast", "largest_batch_gain",
      "largest batch under one memory budget, autocast + checkpointing vs plain fp32"),
-    ("12_checkpoint_and_resume", "full_resume_max_weight_difference",
+    ("14_checkpoint_and_resume", "full_resume_max_weight_difference",
      "weights after a resume vs an uninterrupted run (0 = bit-identical)"),
     ("04_mixed_precision", "bf16_over_fp32_forward_memory", "activation memory, bf16 autocast vs fp32"),
     ("08_memory_budget_offloading_chunked_loss", "chunked_peak_ratio_smallest_chunk",
@@ -65,7 +65,7 @@ LEAD_FIGURES: list[tuple[str, str, str]] = [
      "peak memory with the optimizer step in backward vs after it"),
     ("09_fine_tuning_lora_and_optimizer_memory", "lora_widest_over_full",
      "widest model one budget fine-tunes, LoRA vs full fine-tuning"),
-    ("10_long_sequences_attention_memory", "longest_sequence_sdpa_checkpointed",
+    ("11_long_sequences_attention_memory", "longest_sequence_sdpa_checkpointed",
      "longest sequence one budget trains with SDPA + checkpointing"),
 ]
 SPEEDUP = re.compile(r"speed-?up", re.IGNORECASE)
@@ -107,11 +107,11 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
         ("leak_bytes_per_step", "memory leaked per step by keeping the loss tensor (predicted to the byte)"),
         ("optimizer_in_backward_peak_ratio", "peak memory with the optimizer step in backward, vs after it"),
     ],
-    "12_checkpoint_and_resume": [
+    "14_checkpoint_and_resume": [
         ("full_resume_max_weight_difference", "weight difference after a full resume (0 = bit-identical)"),
         ("weight_difference_without_rng", "weight difference when the RNG state is not restored"),
     ],
-    "13_capstone_fit_then_fast": [
+    "15_capstone_fit_then_fast": [
         ("largest_batch_fp32", "largest batch that fits the memory budget, fp32"),
         ("largest_batch_best", "largest batch that fits the same budget, autocast + checkpointing"),
     ],
@@ -119,11 +119,11 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
         ("lora_widest_over_full", "widest model under one budget, LoRA vs full fine-tuning"),
         ("adamw8bit_state_bytes_per_param", "optimizer state per parameter, 8-bit blockwise AdamW (AdamW: 8)"),
     ],
-    "10_long_sequences_attention_memory": [
+    "11_long_sequences_attention_memory": [
         ("naive_over_fused_saved_bytes", "bytes kept for backward, naive attention vs the fused (flash) kernel"),
         ("longest_sequence_sdpa_checkpointed", "longest sequence one budget fits, SDPA + checkpointing"),
     ],
-    "11_distributed_ddp_zero_fsdp": [
+    "12_distributed_ddp_zero_fsdp": [
         ("max_weight_difference_vs_one_process", "weight difference, N ranks vs one process with the whole batch"),
         ("fsdp_over_ddp_communication", "bytes each rank sends per step, FSDP vs DDP (predicted 1.5×)"),
     ],
@@ -134,7 +134,7 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
 }
 # Key plots, by file-name prefix in results/<slug>/figures/; the first match of each is shown.
 KEY_PLOTS = ["00_step_timeline", "01_footprint_by_batch", "03_memory_vs_time", "04_autocast_memory",
-             "13_largest_batch", "08_budget_memory_vs_recompute"]
+             "15_largest_batch", "08_budget_memory_vs_recompute"]
 MAX_PLOTS = 6
 
 

@@ -29,7 +29,7 @@ from .profiling import (BOTTLENECK_VERDICTS, DataWaitTimer, RandomDrawDataset, S
                         recommend_num_workers, seed_worker, step_breakdown_ms, validate_trace, workers_needed)
 from .results import Results, load_results
 from .state import expected_overhead, simulate_preemptions, young_daly_interval
-from .timing import Timing, speedup, time_fn
+from .timing import Comparison, Timing, compare, speedup, time_fn
 
 __all__ = [
     "chunked_cross_entropy",
@@ -57,7 +57,7 @@ __all__ = [
     "step_breakdown_ms", "validate_trace", "workers_needed",
     "Results", "load_results",
     "expected_overhead", "simulate_preemptions", "young_daly_interval",
-    "Timing", "speedup", "time_fn",
+    "Comparison", "Timing", "compare", "speedup", "time_fn",
 ]
 
 # the calculator is also a program (python -m utils.calculator): importing it here would make runpy warn

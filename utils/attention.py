@@ -1,13 +1,13 @@
 """Predicting what long sequences cost: attention's saved bytes, a transformer layer's activations, padding.
 
-Introduced in notebook 10 (long sequences). These are instruments: formulas that predict, before anything
+Introduced in notebook 11 (long sequences). These are instruments: formulas that predict, before anything
 runs, the bytes autograd keeps for backward, so that the notebook can put each prediction next to
 ``utils.track_saved_tensors``'s measurement (equal to the byte on the CPU). The techniques themselves (naive
 attention, the online softmax, the document mask, packing) are written in plain torch in the notebook.
 
 What the formulas count, for query, key and value of shape ``(B, H, L, D)`` in a dtype of ``e`` bytes:
 
-* ``"naive"``: notebook 10's ``(q @ kᵀ / √D).masked_fill(~causal, -inf).softmax(-1) @ v``: q and k for the
+* ``"naive"``: notebook 11's ``(q @ kᵀ / √D).masked_fill(~causal, -inf).softmax(-1) @ v``: q and k for the
   first matmul, the probabilities (``B·H·L²`` elements) for softmax's backward and the second matmul, v, and
   the ``L × L`` boolean mask that ``masked_fill`` keeps (one byte per entry, shared by batch and heads).
 * ``"math"``: ``scaled_dot_product_attention``'s math backend, the same matmuls without the boolean mask (it
@@ -57,7 +57,7 @@ def attention_saved_bytes(batch: int, heads: int, seq_len: int, head_dim: int, *
         seq_len: ``L``, tokens per sequence (queries and keys).
         head_dim: ``D``, features per head.
         dtype: the dtype of q, k and v.
-        kernel: ``"naive"`` (notebook 10's written-out attention), ``"math"`` or ``"flash"`` (the two
+        kernel: ``"naive"`` (notebook 11's written-out attention), ``"math"`` or ``"flash"`` (the two
             ``scaled_dot_product_attention`` backends a CPU has; see the module docstring).
         causal: whether the call is causal; only the naive attention's boolean mask depends on it.
 
@@ -135,7 +135,7 @@ def layer_activation_bytes(batch: int, seq_len: int, d_model: int, num_heads: in
         d_model: width of the residual stream, ``h``.
         num_heads: attention heads, ``a``; must divide ``d_model``.
         dtype: the dtype the block computes in.
-        attention: ``"naive"`` (notebook 10's written-out attention), ``"math"`` or ``"flash"`` (a fused
+        attention: ``"naive"`` (notebook 11's written-out attention), ``"math"`` or ``"flash"`` (a fused
             ``scaled_dot_product_attention`` kernel: nothing of size ``L²``).
         mlp_ratio: the MLP's hidden width as a multiple of ``d_model``.
         device: where the block runs: LayerNorm keeps its statistics in the input's dtype on the CPU and in

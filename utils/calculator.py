@@ -1,6 +1,6 @@
 """A training-memory calculator: the peak bytes of a training step per device, term by term, checked by measuring.
 
-Introduced in notebook 11 (distributed), which prints its 7B and 70B tables; notebook 13 (capstone) predicts
+Introduced in notebook 12 (distributed), which prints its 7B and 70B tables; notebook 15 (capstone) predicts
 its model with it before measuring. As a program::
 
     python -m utils.calculator --preset 7B                     # Llama-2-7B, micro-batch 1 x 4096, bf16 autocast

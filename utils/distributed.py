@@ -1,16 +1,16 @@
-"""The training script notebook 11 launches: data-parallel training with DDP, ZeRO-1 or FSDP2, measured per rank.
+"""The training script notebook 12 launches: data-parallel training with DDP, ZeRO-1 or FSDP2, measured per rank.
 
 Run it under torchrun, on a node with one GPU per rank (NCCL) or on a CPU (gloo ranks)::
 
     python -m torch.distributed.run --standalone --nproc-per-node 8 -m utils.distributed \\
-        --strategy fsdp --hidden 4096 --layers 8 --micro-batch 16 --steps 50 --out build/11_run
+        --strategy fsdp --hidden 4096 --layers 8 --micro-batch 16 --steps 50 --out build/12_run
 
 Read it top to bottom:
 
 1. **The recipe**, what each strategy changes in an ordinary training script: ``wrap_model`` (DDP, or
    FSDP2's ``fully_shard`` per layer), ``make_optimizer`` (ZeRO-1's ``ZeroRedundancyOptimizer``) and
    ``train_step`` (gradient accumulation that synchronises once per step: ``no_sync`` for DDP,
-   ``set_requires_gradient_sync`` for FSDP2). Notebook 11 shows these three functions and checks that
+   ``set_requires_gradient_sync`` for FSDP2). Notebook 12 shows these three functions and checks that
    its copy is exactly this code.
 2. **Sharded checkpoints**: ``save_checkpoint`` and ``load_checkpoint`` (``torch.distributed.checkpoint``,
    written atomically: a folder renamed when every rank has written its shards).
@@ -115,7 +115,7 @@ def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, director
     """Save a sharded checkpoint with ``torch.distributed.checkpoint``, atomically.
 
     Every rank writes its shards into ``step_NNNNNN.partial``; after a barrier rank 0 renames it to
-    ``step_NNNNNN`` (one atomic rename, as notebook 12 does for single files). A rank that dies
+    ``step_NNNNNN`` (one atomic rename, as notebook 14 does for single files). A rank that dies
     mid-save leaves only a ``.partial`` folder, which ``latest_complete_checkpoint`` ignores.
 
     Args:
@@ -503,7 +503,7 @@ def launch_in_this_process(*, strategies: Sequence[str], out: Path | str, **run:
         FileExistsError: ``out`` holds results already. ValueError: bad arguments.
 
     Example:
-        >>> result = launch_in_this_process(strategies=["ddp"], out=utils.build_dir() / "11_one_rank")
+        >>> result = launch_in_this_process(strategies=["ddp"], out=utils.build_dir() / "12_one_rank")
     """
     args = script_arguments(strategies=strategies, out=out, **run)
     out = check_new_results_folder(out)

@@ -1,6 +1,6 @@
 """Data-parallel training on several ranks, predicted and launched: ZeRO's formulas, the torchrun launcher.
 
-Introduced in notebook 11, with ``utils.distributed`` (the training script this module launches).
+Introduced in notebook 12, with ``utils.distributed`` (the training script this module launches).
 
 * ``predict_zero_bytes_per_rank`` and ``predict_communication_bytes``: the ZeRO paper's per-rank
   model-state bytes for stages 0-3 and the bytes each rank sends per step, built on
@@ -420,7 +420,7 @@ def launch(nproc: int, *, strategies: Sequence[str], out: Path | str, hidden: in
         LaunchError: a rank failed (the message holds its error) or the launch timed out.
 
     Example:
-        >>> result = launch(2, strategies=["ddp"], out=utils.build_dir() / "11_ddp")
+        >>> result = launch(2, strategies=["ddp"], out=utils.build_dir() / "12_ddp")
         >>> result.ranks["ddp"][1]["end_of_step_bytes"]
     """
     args = script_arguments(strategies=strategies, out=out, hidden=hidden, **run)

@@ -1,11 +1,11 @@
-"""What notebook 12 keeps out of its recipe: the arithmetic of how often to save, and a folder fsync.
+"""What notebook 14 keeps out of its recipe: the arithmetic of how often to save, and a folder fsync.
 
-Notebook 12 writes the checkpoint recipe itself in plain PyTorch (the complete training state, an
+Notebook 14 writes the checkpoint recipe itself in plain PyTorch (the complete training state, an
 atomic save, a ``torch.load(weights_only=True)`` restore) and runs it. What stays here:
 
 - how often to save: Young's and Daly's interval, the expected overhead, and a simulation of
   preemptions that checks them (``young_daly_interval``, ``expected_overhead``, ``simulate_preemptions``);
-- ``_fsync_directory``, which makes a rename durable (the distributed checkpoint of notebook 11 uses it).
+- ``_fsync_directory``, which makes a rename durable (the distributed checkpoint of notebook 12 uses it).
 """
 
 from __future__ import annotations

@@ -124,3 +124,71 @@ def speedup(baseline: Timing, candidate: Timing) -> float:
     if baseline.device != candidate.device:
         raise ValueError(f"timings come from different devices: {baseline.device!r} vs {candidate.device!r}")
     return baseline.median_ms / candidate.median_ms
+
+
+#: Fewer repeats than this give an IQR that means little: a comparison then says it cannot tell.
+MIN_REPEATS_FOR_VERDICT = 5
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Two timings from the same run, compared against their own noise.
+
+    Attributes:
+        ratio: baseline median / candidate median (> 1: the candidate is faster).
+        noise: the relative noise band of that ratio: the two timings' IQRs relative to their medians,
+            added (a ratio inside ``[1 / (1 + noise), 1 + noise]`` is not told apart from 1).
+        verdict: ``"faster"``, ``"slower"``, ``"within noise"`` or ``"too few repeats"``.
+        repeats: the fewer of the two timings' repeat counts.
+    """
+
+    ratio: float
+    noise: float
+    verdict: str
+    repeats: int
+
+    def sentence(self, candidate: str, baseline: str) -> str:
+        """e.g. ``bf16 ran 1.94x as fast as fp32 (noise band ±12 %, 10 repeats each): faster here``."""
+        what = {"faster": "faster here", "slower": "slower here",
+                "within noise": "within noise here: no difference this run can tell",
+                "too few repeats": f"too few repeats (< {MIN_REPEATS_FOR_VERDICT}) to tell"}[self.verdict]
+        return (f"{candidate} ran {self.ratio:.2f}x as fast as {baseline} (noise band ±{100 * self.noise:.0f} %, "
+                f"{self.repeats} repeats each): {what}")
+
+
+def compare(baseline: Timing, candidate: Timing) -> Comparison:
+    """Is ``candidate`` faster or slower than ``baseline``, or is the difference inside the noise?
+
+    A timing verdict printed from a ratio of medians flips on a loaded machine; this one is computed
+    against the spread measured in the same run: the verdict is "faster" only when the ratio exceeds
+    ``1 + noise``, "slower" only below ``1 / (1 + noise)``, where ``noise`` adds the two timings'
+    interquartile ranges relative to their medians.
+
+    Args:
+        baseline: the reference timing (e.g. fp32, eager, no checkpointing).
+        candidate: the timing being judged, from the same run and device.
+
+    Returns:
+        A ``Comparison`` (ratio, noise band, verdict); ``sentence()`` prints it.
+
+    Raises:
+        ValueError: the timings come from different devices.
+
+    Example:
+        >>> result = compare(time_fn(fp32_step, "cpu", repeats=10), time_fn(bf16_step, "cpu", repeats=10))
+        >>> print(result.sentence("bf16", "fp32"))
+    """
+    if baseline.device != candidate.device:
+        raise ValueError(f"timings come from different devices: {baseline.device!r} vs {candidate.device!r}")
+    ratio = baseline.median_ms / candidate.median_ms
+    noise = baseline.spread_ms / baseline.median_ms + candidate.spread_ms / candidate.median_ms
+    repeats = min(len(baseline.samples_ms), len(candidate.samples_ms))
+    if repeats < MIN_REPEATS_FOR_VERDICT:
+        verdict = "too few repeats"
+    elif ratio > 1 + noise:
+        verdict = "faster"
+    elif ratio < 1 / (1 + noise):
+        verdict = "slower"
+    else:
+        verdict = "within noise"
+    return Comparison(ratio=ratio, noise=noise, verdict=verdict, repeats=repeats)

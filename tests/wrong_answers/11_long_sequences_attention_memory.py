@@ -1,4 +1,4 @@
-"""Wrong answers to notebook 10's exercises: each must make its graded cell fail (see README.md here)."""
+"""Wrong answers to notebook 11's exercises: each must make its graded cell fail (see README.md here)."""
 
 WRONG = {
     "exercise_1": {

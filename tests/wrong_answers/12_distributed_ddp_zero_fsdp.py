@@ -1,4 +1,4 @@
-"""Wrong answers to notebook 11's exercises: each replaces the solution cell, and the graded cell must fail on it."""
+"""Wrong answers to notebook 12's exercises: each replaces the solution cell, and the graded cell must fail on it."""
 
 _UPDATE = '''
 def zero1_update(models, optimizers):
