@@ -27,7 +27,9 @@ IDS = [path.stem for path in NOTEBOOK_PATHS]
 # Seconds one check-mode run may take on a 2-core CI machine, where `make check` runs two kernels side by side:
 # about twice what each took in a parallel `make check` (the times in the comments), so that a slow moment on
 # a shared machine does not fail CI, while a notebook that doubles its cost still does. The suite as a whole
-# must stay under 180 s; each notebook's time alone is in the README's measured section.
+# must stay under 120 s. Each budget holds the CPU seconds of the notebook's kernel and the children it waited for
+# (tools/nbtools.py: CheckRun.kernel_cpu_seconds), which a loaded machine hardly changes; each notebook's wall time
+# alone is in the README's measured section.
 CHECK_BUDGET_S = {"00_measuring_memory_and_time": 30, "01_parameter_footprint": 30,       # ~10 s, ~9 s
                   "02_gradient_accumulation": 30, "03_activation_checkpointing": 30,      # ~9 s, ~9 s
                   "04_mixed_precision": 30,                                               # ~10 s
@@ -452,6 +454,12 @@ EXPECTED_FIGURES = {
 }
 
 
+def nbgrader_grade(cell) -> tuple[float, float]:
+    """(score, points) of one executed graded cell by nbgrader's own rule (``nbgrader.utils.determine_grade``)."""
+    from nbgrader.utils import determine_grade
+    return determine_grade(cell)
+
+
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=IDS)
 def test_notebook_runs_in_check_mode(path, tmp_path):
@@ -464,8 +472,12 @@ def test_notebook_runs_in_check_mode(path, tmp_path):
         run = run_check_mode(path, executed_path, build=tmp_path, timeout_s=300, wrong_answers=wrong_answers)
     except CellExecutionError as error:
         pytest.fail(f"{path.stem} failed in check mode (executed copy: {executed_path}):\n{error}", pytrace=False)
-    print(f"{path.stem}: {run.seconds:.1f} s in check mode, {run.wrong_answer_seconds:.1f} s of it on wrong answers")
-    assert run.seconds < CHECK_BUDGET_S[path.stem], f"{path.stem} took {run.seconds:.1f} s"
+    print(f"{path.stem}: {run.seconds:.1f} s in check mode ({run.kernel_cpu_seconds or 0:.1f} s of CPU), "
+          f"{run.wrong_answer_seconds:.1f} s of it on wrong answers")
+    # the budget holds CPU seconds (kernel and its children), not wall time: a loaded CI runner stretches wall time
+    assert run.kernel_cpu_seconds is not None, "the kernel's CPU time could not be read"
+    assert run.kernel_cpu_seconds < CHECK_BUDGET_S[path.stem], \
+        f"{path.stem} used {run.kernel_cpu_seconds:.1f} CPU seconds (budget {CHECK_BUDGET_S[path.stem]} s)"
 
     recorded = utils.load_results(path.stem, tmp_path / "results")
     assert recorded["check_mode"] is True
@@ -487,6 +499,15 @@ def test_notebook_runs_in_check_mode(path, tmp_path):
                 for grade_id, outcomes in run.wrong_answers.items() for name, outcome in outcomes.items()
                 if not outcome.rejected]
     assert not accepted, f"{path.stem}'s graded cells accept wrong answers:\n" + "\n".join(accepted)
+
+    # nbgrader's own grading rule on this execution: a graded cell with an error or any stderr output earns 0, so the
+    # instructor's solutions must earn every point (tests/test_grading.py runs the whole round trip on a subset)
+    lost = [f"{cell.metadata['nbgrader']['grade_id']}: {score} of {points} points"
+            for cell in run.notebook.cells
+            if cell.metadata.get("nbgrader", {}).get("grade") and not cell.metadata["nbgrader"].get("solution")
+            for score, points in [nbgrader_grade(cell)] if score != points]
+    assert not lost, f"{path.stem}: nbgrader would not give the solutions full marks (stderr or an error):\n" + \
+        "\n".join(lost)
 
     expected = json.loads(NBVAL_EXPECTED.read_text()).get(path.stem, {})
     assert set(run.marked_outputs) == set(expected)

@@ -156,6 +156,8 @@ class CheckRun:
         marked_outputs: stdout of each ``# NBVAL_CHECK_OUTPUT`` cell, by cell id.
         wrong_answers: ``{grade_id: {what is wrong: outcome}}`` for the wrong solutions that were tried.
         wrong_answer_seconds: time spent on them (included in ``seconds``).
+        kernel_cpu_seconds: CPU seconds the kernel and the children it waited for used (None if unread): what the
+            check-mode budgets hold, since wall time grows on a loaded machine and CPU time hardly does.
     """
 
     notebook: nbformat.NotebookNode
@@ -165,6 +167,28 @@ class CheckRun:
     marked_outputs: dict[str, str] = field(default_factory=dict)
     wrong_answers: dict[str, dict[str, WrongAnswerOutcome]] = field(default_factory=dict)
     wrong_answer_seconds: float = 0.0
+    kernel_cpu_seconds: float | None = None
+
+
+# Run in the kernel after the last cell: CPU seconds of the kernel and of every child it waited for (DataLoader
+# workers, launched ranks, subprocesses). Unlike wall time it does not grow when other jobs share the machine.
+_CPU_PROBE = ("import os as _os\n_t = _os.times()\n"
+              "print('kernel-cpu-seconds', _t.user + _t.system + _t.children_user + _t.children_system)")
+
+
+def _kernel_cpu_seconds(client, notebook: nbformat.NotebookNode) -> float | None:
+    """The kernel's CPU seconds so far (``os.times()``, children included), read by a cell run at the end."""
+    index = len(notebook.cells) - 1
+    last = notebook.cells[index]
+    probe = nbformat.v4.new_code_cell(_CPU_PROBE)
+    try:
+        client.execute_cell(probe, index, store_history=False)
+    finally:
+        notebook.cells[index] = last                 # nbclient stores the executed copy at that index
+    for line in stream_text(probe).splitlines():
+        if line.startswith("kernel-cpu-seconds "):
+            return float(line.split()[1])
+    return None
 
 
 def run_check_mode(notebook_path: Path, output: Path, *, build: Path, timeout_s: int = 300,
@@ -210,6 +234,7 @@ def run_check_mode(notebook_path: Path, output: Path, *, build: Path, timeout_s:
                         name: _try_wrong_answer(client, source, index - 1, wrong)
                         for name, wrong in wrong_answers[graded_id].items()}
                     run.wrong_answer_seconds += time.perf_counter() - tried
+            run.kernel_cpu_seconds = _kernel_cpu_seconds(client, source)
     run.seconds = time.perf_counter() - started
     run.marked_outputs = {c.id: stream_text(c) for c in source.cells
                           if c.cell_type == "code" and NBVAL_MARKER in c.source}
