@@ -224,3 +224,24 @@ def test_readme_calculator_example_is_what_the_calculator_prints(capsys):
     shown = text.split(command, 1)[1].split("```", 1)[0]
     calculator.main(["--preset", "7B"])
     assert capsys.readouterr().out == shown, "README.md's calculator example is stale: paste the command's output"
+
+
+def test_readme_marks_timing_figures_with_their_noise_band():
+    from tools.readme_results import TIMING_MARK, _value
+    timed = {"name": "step_speedup_bf16", "value": 0.9, "unit": "x", "noise": 0.25, "verdict": "within noise"}
+    assert _value(timed) == f"{TIMING_MARK} 0.9× ±25 %; within noise"
+    unbanded = {"name": "train_step_speedup", "value": 0.97, "unit": "x"}
+    assert _value(unbanded).startswith(TIMING_MARK) and "spread not recorded" in _value(unbanded)
+    memory = {"name": "step_peak_mib", "value": 200.25, "unit": "MiB"}
+    assert TIMING_MARK not in _value(memory)
+
+
+def test_results_record_a_comparison_with_its_band(tmp_path, monkeypatch):
+    import json
+    import utils
+    monkeypatch.setenv("PYTORCH_INTRO_BUILD_DIR", str(tmp_path))
+    results = utils.Results("00_measuring_memory_and_time", "cpu")
+    comparison = utils.compare(utils.Timing("cpu", (10.0,) * 5, 1), utils.Timing("cpu", (5.0,) * 5, 1))
+    assert results.record_comparison("speedup", comparison) == 2.0
+    saved = json.loads(results.path.read_text())["figures"]["speedup"]
+    assert (saved["unit"], saved["noise"], saved["verdict"]) == ("x", 0.0, "faster")

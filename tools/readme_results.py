@@ -192,9 +192,30 @@ def load_devices(results_root: Path = RESULTS_ROOT, slugs: list[str] | None = No
     return devices
 
 
+TIMING_NAME = re.compile(r"speed|time|seconds|overhead|throughput|per_s\b|_ms\b", re.IGNORECASE)
+TIMING_MARK = "⏱"
+
+
+def is_timing(figure: dict, label: str = "") -> bool:
+    """A timing figure (a speed-up, a time, an overhead): one run's ratio, to be shown with its noise band."""
+    return (figure.get("noise") is not None or figure["unit"] in ("ms", "s")
+            or bool(TIMING_NAME.search(figure.get("name", ""))) or bool(SPEEDUP.search(label)))
+
+
 def _value(figure: dict | None, label: str = "") -> str:
     if figure is None:
         return "–"
+    text = _plain_value(figure, label)
+    if not is_timing(figure, label):
+        return text
+    if figure.get("noise") is None:
+        return f"{TIMING_MARK} {text} (spread not recorded)"
+    verdict = f"; {figure['verdict']}" if figure.get("verdict") else ""
+    text = text.replace(" (a slowdown here)", "")          # the verdict, judged against the band, says it
+    return f"{TIMING_MARK} {text} ±{100 * figure['noise']:.0f} %{verdict}"
+
+
+def _plain_value(figure: dict, label: str = "") -> str:
     value, unit = figure["value"], figure["unit"]
     if unit == "fraction":
         return f"{value:.1%}"
@@ -389,6 +410,11 @@ def render_section(devices: list[Device], readme_dir: Path = ROOT) -> str:
         lines.append("")
         lines.append("And one or two headline figures of every notebook:")
         lines.append("")
+    lines.append(f"{TIMING_MARK} marks a timing: a ratio or time from one run, shown with the noise band measured in "
+                 "that run (the repeats' interquartile ranges relative to their medians, `utils.compare`) and the "
+                 "verdict it allows; a ratio inside its band is this machine's noise, not a difference. Memory figures "
+                 "are exact on a CPU and carry no band.")
+    lines.append("")
     lines.append("| notebook | headline figure | " + " | ".join(d.name for d in devices) + " |")
     lines.append("|---|---|" + "---|" * len(devices))
     for stem, label, figures in headline_rows(devices):

@@ -14,10 +14,14 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .env import build_dir, check_mode, device_name, environment_report
+
+if TYPE_CHECKING:
+    from .timing import Comparison
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,10 @@ class Figure:
     unit: str
     device: str
     note: str = ""
+    # timing figures only: the relative noise band of the ratio measured in the same run (utils.compare), and
+    # the verdict it allowed ("faster", "slower", "within noise", "too few repeats")
+    noise: float | None = None
+    verdict: str | None = None
 
 
 class Results:
@@ -66,6 +74,21 @@ class Results:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"figure {name!r} must be a finite number, got {value!r}")
         self.figures[name] = Figure(name, float(value), unit, device_name(self.device), note)
+        self.save()
+        return value
+
+    def record_comparison(self, name: str, comparison: "Comparison", note: str = "") -> float:
+        """Record a timing ratio with the noise band and verdict it was judged by (``utils.compare``).
+
+        The value is ``comparison.ratio`` (baseline time / candidate time, unit ``"x"``); the README prints a
+        timing figure with its band, so a reader sees whether it is a difference or the machine's noise.
+
+        Example:
+            >>> results.record_comparison("step_speedup_bf16", utils.compare(fp32_timing, bf16_timing))
+        """
+        value = self.record(name, comparison.ratio, "x", note)
+        self.figures[name] = Figure(name, float(value), "x", device_name(self.device), note,
+                                    noise=float(comparison.noise), verdict=comparison.verdict)
         self.save()
         return value
 
