@@ -26,8 +26,16 @@ The allocator follows the rules the CUDA caching allocator documents and impleme
 * ``max_memory_allocated`` / ``max_memory_reserved`` are the highest values since the last
   ``reset_peak_memory_stats``, which sets them to the current values.
 
+* a large-pool block is split only when what would remain is more than 1 MiB (``kSmallSize``); otherwise the
+  request gets the whole free block and ``memory_allocated`` counts all of it (a 19.5 MiB request in a fresh
+  20 MiB segment allocates 20 MiB). Small-pool blocks are always split (the remainder is a multiple of 512);
+* cuBLAS workspaces: the first matmul on a device allocates one (``CUBLAS_WORKSPACE_CONFIG``, else 32 MiB on
+  compute capability 9.x, 10.x and 12.x and 8,519,680 bytes before), the first matmul in a backward pass a second
+  one (autograd runs backward on its own thread, with its own cuBLAS handle); they stay allocated, as the real
+  ones stay with their handles, until ``FakeCuda.clear_workspaces()`` (``torch._C._cuda_clearCublasWorkspaces``).
+
 Not modelled: fragmentation inside segments (a segment serves any request that fits its free bytes),
-streams other than each device's one current stream, the CUDA context, cuBLAS workspaces, pinned host memory.
+streams other than each device's one current stream, the CUDA context, cuDNN workspaces, pinned host memory.
 
 Tensors: ``FakeCuda.alloc(nbytes)`` returns a handle whose block is freed when the handle dies, and
 ``FakeCuda.mirror()`` is a dispatch mode under which every new CPU tensor storage an aten op creates is also
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -55,6 +64,19 @@ SMALL_BUFFER = 2 * MIB          # kSmallBuffer: the small pool's segment size
 MIN_LARGE_ALLOC = 10 * MIB      # kMinLargeAlloc: below this, a large request gets a kLargeBuffer segment
 LARGE_BUFFER = 20 * MIB         # kLargeBuffer
 ROUND_LARGE = 2 * MIB           # kRoundLarge: larger segments are rounded up to this
+MATMULS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_addmm_activation")
+
+
+def cublas_workspace_bytes(capability: tuple[int, int], config: str | None = None) -> int:
+    """torch's cuBLAS workspace per handle (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize):
+    ``CUBLAS_WORKSPACE_CONFIG`` (":SIZE_KIB:COUNT" pairs) when set, else 32 MiB on Hopper and Blackwell
+    (major 9, 10, 12) and ``4096 KiB * 2 + 16 KiB * 8`` on earlier cards."""
+    import re
+    if config:
+        pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+        if pairs:
+            return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    return 4096 * 8 * 1024 if capability[0] in (9, 10, 12) else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 # the torch.cuda functions the fake replaces (each must exist on the torch under test)
 FAKED = (
@@ -182,6 +204,7 @@ class FakeCuda:
             device.rng_state = self._seeded_state(device.index, 0)
         self.current = 0
         self.calls: list[tuple[str, tuple, dict]] = []
+        self.workspaces: dict[tuple[int, bool], FakeBlock] = {}   # (device, in backward) -> its cuBLAS workspace
 
     # --- installing ---------------------------------------------------------------------------------------
 
@@ -277,6 +300,8 @@ class FakeCuda:
             return FakeBlock(self, target, None, 0)
         small = size <= SMALL_SIZE
         segment = next((s for s in target.segments if s.small == small and s.size - s.used >= size), None)
+        if segment is not None and not small and segment.size - segment.used - size <= SMALL_SIZE:
+            size = segment.size - segment.used      # not split: the request gets the whole free block
         if segment is None:
             new_size = segment_size(size)
             if target.reserved + new_size > target.limit:
@@ -287,6 +312,9 @@ class FakeCuda:
                     f"{target.reserved:,} bytes reserved, {target.allocated:,} allocated, limit {target.limit:,}")
             segment = Segment(new_size, small)
             target.segments.append(segment)
+            if not small and new_size - size <= SMALL_SIZE:
+                size = new_size                     # a remainder of 1 MiB or less is not split off
+
         segment.used += size
         target.allocated += size
         target.peak_allocated = max(target.peak_allocated, target.allocated)
@@ -298,6 +326,20 @@ class FakeCuda:
             return
         segment.used -= size
         device.allocated -= size
+
+    def workspace(self, device: FakeDevice, in_backward: bool) -> None:
+        """Allocate the cuBLAS workspace of this device and thread on its first matmul (kept until cleared)."""
+        key = (device.index, in_backward)
+        if key not in self.workspaces:
+            capability = (device.properties.major, device.properties.minor)
+            self.workspaces[key] = self.alloc(cublas_workspace_bytes(capability, os.environ.get("CUBLAS_WORKSPACE_CONFIG")),
+                                              device.index)
+
+    def clear_workspaces(self) -> None:
+        """Free every cuBLAS workspace (what ``torch._C._cuda_clearCublasWorkspaces()`` does)."""
+        for block in self.workspaces.values():
+            block.free()
+        self.workspaces.clear()
 
     @staticmethod
     def _release_cached(device: FakeDevice) -> None:
@@ -456,6 +498,8 @@ class _MirrorMode(TorchDispatchMode):
         self.blocks: dict[int, FakeBlock] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func.__name__.split(".")[0] in MATMULS:
+            self.fake.workspace(self.device, torch._C._current_graph_task_id() != -1)
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if self._cpu(t)}
         fresh = func is torch.ops.aten.lift_fresh.default

@@ -55,9 +55,10 @@ if behaviour == "ok":
     (build / "figures").mkdir(parents=True, exist_ok=True)
     (build / "figures" / f"{stem[:2]}_stub.png").write_bytes(b"\x89PNG stub")
 # what tools/run_notebooks.py's record_runtimes writes, for the device the script described (no torch import here)
-device = json.loads((build.parent / "environment.json").read_text())
+device = json.loads(next(p / "environment.json" for p in build.parents if (p / "environment.json").exists()).read_text())
 runtimes = json.loads((build / "runtimes.json").read_text()) if (build / "runtimes.json").exists() else {"modes": {}}
-runtimes["modes"].setdefault("full", {})[stem] = {"seconds": 0.5, "ok": behaviour == "ok", "cpu_seconds": None,
+mode = "check" if os.environ.get("PYTORCH_INTRO_CHECK_MODE") == "1" else "full"
+runtimes["modes"].setdefault(mode, {})[stem] = {"seconds": 0.5, "ok": behaviour == "ok", "cpu_seconds": None,
                                                   "load_average": None, "device": device["name"],
                                                   "device_slug": device["slug"], "finished": "2026-01-01T00:00:00+00:00"}
 runtimes["device"] = device
@@ -92,7 +93,8 @@ def dry_run(tmp_path_factory):
     """One dry run of four stubbed notebooks: one passes, one fails, one hangs past its limit, one crashes."""
     tmp_path = tmp_path_factory.mktemp("gpu_reference")
     (tmp_path / "results" / "some-other-device").mkdir(parents=True)
-    done = _run(tmp_path, "--dry-run", "00", "01", "02", "03", GPU_REFERENCE_NOTEBOOK_TIMEOUT_S="3",
+    done = _run(tmp_path, "--dry-run", "00:full", "01:full", "02:full", "03:full", "00",
+                GPU_REFERENCE_NOTEBOOK_TIMEOUT_S="3",
                 GPU_REFERENCE_PART_MIB="1", STUB_EXECUTED_BYTES=str(700_000))
     return tmp_path, done
 
@@ -101,9 +103,10 @@ def test_dry_run_reports_each_notebook_and_exits_for_the_crash_only(dry_run):
     tmp_path, done = dry_run
     assert done.returncode == 4, done.stdout + done.stderr      # the runner crashed on 03: infrastructure
     status = json.loads((tmp_path / "build" / "status.json").read_text())
-    got = {row["notebook"][:2]: row["status"] for row in status["notebooks"]}
-    assert got == {"00": "ok", "01": "FAILED", "02": "TIMEOUT", "03": "CRASHED"}
-    details = {row["notebook"][:2]: row["detail"] for row in status["notebooks"]}
+    got = [(row["notebook"][:2], row["mode"], row["status"]) for row in status["notebooks"]]
+    assert got == [("00", "full", "ok"), ("01", "full", "FAILED"), ("02", "full", "TIMEOUT"),
+                   ("03", "full", "CRASHED"), ("00", "check", "ok")], "the arguments' order and modes, honoured"
+    details = {row["notebook"][:2]: row["detail"] for row in status["notebooks"] if row["mode"] == "full"}
     assert details["01"] == "cell 0: AssertionError: measured 3 != predicted 2"
     assert details["02"] == "last cell run: 0" and details["03"] == "last cell run: 0"
     assert status["unit_tests"]["status"] == "passed" and status["mode"] == "check (dry run)"
@@ -131,7 +134,7 @@ def test_the_pack_fits_a_device_call_and_holds_the_filed_run(dry_run):
     with tarfile.open(tmp_path / "out" / "reference.tar.gz") as pack:
         members = set(pack.getnames())
     assert {"summary.txt", "status.json", "environment.json", f"filed/{slug}/results.json",
-            f"filed/{slug}/figures/00_stub.png", f"filed/{slug}/reference_run.json", f"logs/{_stem('01')}.log",
+            f"filed/{slug}/figures/00_stub.png", f"filed/{slug}/reference_run.json", f"logs/{_stem('01')}-full.log",
             "calculator_validation.txt"} <= members
     assert not any("some-other-device" in name for name in members), "only this device's folder is packed"
     filed = json.loads((tmp_path / "build" / "filed" / slug / "results.json").read_text())

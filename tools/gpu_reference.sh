@@ -1,24 +1,34 @@
 #!/usr/bin/env bash
 # The GPU reference run in one call: on a CUDA machine that has Python and torch but no Jupyter.
 #
-#   tools/gpu_reference.sh [NN ...]            run the notebooks (all, or those named by number or stem) in full mode
+#   tools/gpu_reference.sh                     the default call: every notebook in check mode on CUDA, then full mode for
+#                                              as many as fit, in tools/gpu_plan.py's priority order, less what already
+#                                              passed on this GPU (results/<gpu>/reference_run.json): a few calls
+#                                              complete the set
+#   tools/gpu_reference.sh NN[:check|:full] …  those notebooks, in that order (a bare NN: full mode)
+#   tools/gpu_reference.sh --plan [NN …]       print the plan with each notebook's estimated time, run nothing
 #   tools/gpu_reference.sh --dry-run [NN ...]  the same on this machine: the local .venv, check mode, no install
-#   tools/gpu_reference.sh --wheels            (here, with network) download the wheels into .whl/ (make gpu-wheels)
+#   tools/gpu_reference.sh --wheels [--bare]   (here, with network) download the wheels into .whl/ (make gpu-wheels):
+#                                              what the usual GPU image lacks, or (--bare) everything but torch for an
+#                                              image that has Python and torch alone (larger: check the 64 MiB carry)
 #   tools/gpu_reference.sh --unpack DIR        (here) file what a run packed into DIR under results/<device>/
 #
-# A run: installs the wheels carried in .whl/ (papermill, nbclient, nbformat, nbconvert, ipykernel, matplotlib and
-# what they need that the GPU image lacks) into a folder of their own; writes the environment (GPU, driver, CUDA,
-# torch); runs the unit tests that exercise CUDA paths; runs each notebook with tools/run_notebooks.py under a
-# per-notebook time limit and a total budget (a device call lasts at most 10 minutes); files the figures with
+# A run: makes a venv that sees the image's own packages (--system-site-packages) and installs into it, from the
+# wheels carried in .whl/, only what the image lacks (checked package by package); writes the environment (GPU,
+# driver, CUDA, torch); runs the unit tests that exercise CUDA paths; runs each planned notebook with
+# tools/run_notebooks.py under its own time limit and a total budget (a device call lasts at most 10 minutes, and
+# 8 minutes of command time is what fits a lent GPU's 15 minutes with its start); files the full-mode figures with
 # tools/save_results.py (like `make results`, onto a copy of results/); and packs everything into $OUT (at most
 # 8 files: summary.txt, reference.tar.gz, and the executed notebooks in executed.tar.gz or its parts), repacking
 # after every notebook so a run cut short still returns what it did. It prints a one-screen summary and exits
 # non-zero only for an infrastructure failure (2: setup or usage, 3: no GPU, 4: the runner itself crashed,
-# 5: packing failed), never because a notebook failed or ran out of time: the summary says that.
+# 5: packing failed), never because a notebook failed or ran out of time: the summary says that. summary.txt is
+# written on every exit, an early one included (it then says where the run stopped).
 #
 # Variables: OUT (where the pack goes; default build/gpu-reference-out, or build/gpu-reference-dry-out),
-# GPU_REFERENCE_BUDGET_S (total seconds, default 540), GPU_REFERENCE_NOTEBOOK_TIMEOUT_S (per notebook, default 300),
-# GPU_REFERENCE_TESTS_TIMEOUT_S (default 120), GPU_REFERENCE_PYTEST_ARGS (the unit tests; empty or --no-tests: none),
+# GPU_REFERENCE_BUDGET_S (total seconds of the command, default 470), GPU_REFERENCE_NOTEBOOK_TIMEOUT_S (a cap on any
+# notebook's own limit, default 330), GPU_REFERENCE_TESTS_TIMEOUT_S (default 45), GPU_REFERENCE_PYTEST_ARGS (the unit
+# tests; empty or --no-tests: none),
 # GPU_REFERENCE_CALCULATOR_ARGS (the memory calculator's grid measured on this device, `python -m utils.calculator
 # ARGS`; default --validate --on cuda, in a dry run --validate --check --on cpu; empty or --no-tests: none),
 # GPU_REFERENCE_DRY_RUN=1 (= --dry-run), PYTHON (the interpreter), GPU_REFERENCE_BUILD (the work folder),
@@ -33,17 +43,20 @@ cd "$ROOT" || exit 2
 STARTED=$(date +%s)
 
 DRY_RUN=${GPU_REFERENCE_DRY_RUN:-0}
+BARE=0
 MODE=run
 UNPACK_FROM=""
 NOTEBOOKS=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY_RUN=1 ;;
+        --plan) MODE=plan ;;
         --wheels) MODE=wheels ;;
+        --bare) BARE=1 ;;
         --unpack) MODE=unpack; UNPACK_FROM=${2:-}; shift ;;
         --no-tests) GPU_REFERENCE_PYTEST_ARGS=""; GPU_REFERENCE_CALCULATOR_ARGS="" ;;
         -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-        -*) echo "unknown option $1 (expected --dry-run, --no-tests, --wheels, --unpack DIR or notebook numbers)" >&2
+        -*) echo "unknown option $1 (expected --dry-run, --plan, --no-tests, --wheels, --unpack DIR or NN[:check|:full])" >&2
             exit 2 ;;
         *) NOTEBOOKS+=("$1") ;;
     esac
@@ -68,15 +81,26 @@ if [ "$MODE" = wheels ]; then
         pins+=("$pin")
     done
     rm -rf .whl && mkdir .whl || exit 2
-    "$PY" -m pip download --quiet --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .whl "${pins[@]}" || { echo "pip download failed" >&2; exit 2; }
-    for wheel in .whl/*.whl; do
-        name=$(basename "$wheel" | cut -d- -f1 | tr 'A-Z-' 'a-z_')
-        for provided in $IMAGE_HAS; do
-            [ "$name" = "$provided" ] && rm -f "$wheel"
+    platform=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+              --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+    "$PY" -m pip download --quiet "${platform[@]}" -d .whl "${pins[@]}" || { echo "pip download failed" >&2; exit 2; }
+    if [ "$BARE" = 1 ]; then
+        # transformers with its dependencies; peft and accelerate without theirs (they require torch, which the
+        # image has: pip would fetch a CUDA torch of several GB), then their other dependencies
+        hf_pins=()
+        for name in transformers peft; do hf_pins+=("$(grep -E "^$name==" requirements.txt)"); done
+        "$PY" -m pip download --quiet "${platform[@]}" -d .whl "${hf_pins[0]}" psutil pyyaml safetensors || exit 2
+        "$PY" -m pip download --quiet "${platform[@]}" --no-deps -d .whl "${hf_pins[1]}" accelerate || exit 2
+    else
+        for wheel in .whl/*.whl; do
+            name=$(basename "$wheel" | cut -d- -f1 | tr 'A-Z-' 'a-z_')
+            for provided in $IMAGE_HAS; do
+                [ "$name" = "$provided" ] && rm -f "$wheel"
+            done
         done
-    done
+    fi
+    size_mib=$(( $(du -sk .whl | cut -f1) / 1024 ))
+    [ "$size_mib" -gt 56 ] && echo "warning: .whl/ is ${size_mib} MiB: with the tree it may pass the 64 MiB a call carries" >&2
     echo "$(ls .whl/*.whl | wc -l) wheels in .whl/, $(du -sh .whl | cut -f1) (the GPU image's own packages left out:"
     echo "  $(echo $IMAGE_HAS))"
     echo "a device call carries them with carry=[\".whl\"]; tools/gpu_reference.sh installs them there"
@@ -110,28 +134,29 @@ if [ "$MODE" = unpack ]; then
 fi
 
 # --- a run --------------------------------------------------------------------------------------------------
-# which notebooks, in course order (numbers or stems, as `make run` takes them)
-ALL_STEMS=$(cd notebooks && ls [0-9][0-9]_*.ipynb | sed 's/\.ipynb$//')
-STEMS=""
-for stem in $ALL_STEMS; do
-    wanted=$([ ${#NOTEBOOKS[@]} -eq 0 ] && echo yes)
-    for name in "${NOTEBOOKS[@]}"; do
-        [ "$name" = "$stem" ] || [ "$name" = "${stem:0:2}" ] && wanted=yes
-    done
-    [ -n "$wanted" ] && STEMS="$STEMS $stem"
-done
-for name in "${NOTEBOOKS[@]}"; do
-    echo "$ALL_STEMS" | grep -qx -e "$name" -e "${name}_.*" || {
-        echo "no notebook matches '$name'; the notebooks are: $(echo $ALL_STEMS)" >&2; exit 2; }
-done
+# the requests are checked before anything is made: NN, a stem, NN:check or NN:full (tools/gpu_plan.py)
+PLAN_PY=${PYTHON:-python3}
+[ "$DRY_RUN" = 1 ] && [ -z "${PYTHON:-}" ] && PLAN_PY=$ROOT/.venv/bin/python
+PLAN_FLAGS=()
+[ "$DRY_RUN" = 1 ] && PLAN_FLAGS+=(--dry-run)
+"$PLAN_PY" tools/gpu_plan.py --budget 1 "${PLAN_FLAGS[@]}" "${NOTEBOOKS[@]}" > /dev/null || exit 2
 
-BUDGET_S=${GPU_REFERENCE_BUDGET_S:-540}
-NOTEBOOK_TIMEOUT_S=${GPU_REFERENCE_NOTEBOOK_TIMEOUT_S:-300}
-TESTS_TIMEOUT_S=${GPU_REFERENCE_TESTS_TIMEOUT_S:-120}
+BUDGET_S=${GPU_REFERENCE_BUDGET_S:-470}
+NOTEBOOK_TIMEOUT_S=${GPU_REFERENCE_NOTEBOOK_TIMEOUT_S:-330}
+TESTS_TIMEOUT_S=${GPU_REFERENCE_TESTS_TIMEOUT_S:-45}
+SETUP_ESTIMATE_S=$(( TESTS_TIMEOUT_S + 40 ))   # install, environment, unit tests, calculator grid (a plan's guess)
 PYTEST_ARGS=${GPU_REFERENCE_PYTEST_ARGS-tests/test_cuda_paths.py tests/test_memory.py tests/test_env.py \
 tests/test_timing_grads_models.py tests/test_gpu_sizes.py}
 PACK_RESERVE_S=25          # kept back from the budget for filing and packing
-MIN_NOTEBOOK_S=30          # a notebook with less time left than this is not started
+MIN_NOTEBOOK_S=10          # a notebook with less time left than this (or than its estimate) is not started
+if [ "$MODE" = plan ]; then   # a plan alone: what a call would run, with estimates, for the GPU named by its slug
+    record=${GPU_REFERENCE_SLUG:+$RESULTS/$GPU_REFERENCE_SLUG/reference_run.json}
+    "$PLAN_PY" tools/gpu_plan.py --print "${PLAN_FLAGS[@]}" --budget $(( BUDGET_S - SETUP_ESTIMATE_S - PACK_RESERVE_S )) \
+        ${record:+--record "$record"} "${NOTEBOOKS[@]}" || exit 2
+    echo "(the first $SETUP_ESTIMATE_S s of the $BUDGET_S s go to installing, the unit tests and the calculator grid;" \
+         "GPU_REFERENCE_SLUG=<results folder> plans around what that GPU already passed)"
+    exit 0
+fi
 if [ "$DRY_RUN" = 1 ]; then
     CALCULATOR_ARGS=${GPU_REFERENCE_CALCULATOR_ARGS---validate --check --on cpu}
     PY=${PYTHON:-$ROOT/.venv/bin/python}
@@ -145,13 +170,26 @@ else
 fi
 OUT_DIR=${OUT:-$BUILD-out}
 RUN=$BUILD/run
+FAILED_AT=""
+mkdir -p "$OUT_DIR" && rm -f "$OUT_DIR/summary.txt" "$OUT_DIR"/reference.tar.gz "$OUT_DIR"/executed.tar.gz*
+on_exit() {   # summary.txt on every exit: an early one says where the run stopped, and packs the logs it has
+    local rc=$?
+    [ -s "$OUT_DIR/summary.txt" ] && return
+    {
+        echo "GPU reference run stopped early (exit $rc): ${FAILED_AT:-before any notebook ran; see logs/}"
+        [ -s "$BUILD/status.tsv" ] && { echo "notebooks run before the stop:"; cat "$BUILD/status.tsv"; }
+        [ -f "$BUILD/logs/install-missing.txt" ] && cat "$BUILD/logs/install-missing.txt"
+    } > "$OUT_DIR/summary.txt" 2>/dev/null
+    [ -d "$BUILD/logs" ] && tar -czf "$OUT_DIR/reference.tar.gz" -C "$BUILD" logs 2>/dev/null
+    cat "$OUT_DIR/summary.txt" 2>/dev/null
+}
+trap on_exit EXIT
 mkdir -p "$BUILD" || exit 2
 if [ -n "$(ls -A "$BUILD")" ] && [ ! -f "$BUILD/.gpu-reference" ]; then
     echo "$BUILD holds files this script did not make: expected an empty or earlier gpu_reference folder" >&2
     exit 2
 fi
 rm -rf "$BUILD" && mkdir -p "$BUILD/logs" "$RUN" "$OUT_DIR" && touch "$BUILD/.gpu-reference" || exit 2
-rm -f "$OUT_DIR/summary.txt" "$OUT_DIR"/reference.tar.gz "$OUT_DIR"/executed.tar.gz*
 export PYTORCH_INTRO_BUILD_DIR=$RUN PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 STATUS=$BUILD/status.tsv
 : > "$STATUS"
@@ -164,9 +202,21 @@ if [ "$DRY_RUN" != 1 ]; then
         exit 2
     fi
     SITE=${GPU_REFERENCE_SITE:-/tmp/pytorch-intro-site}
-    "$PY" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-        "$WHEELS"/*.whl > "$BUILD/logs/pip.log" 2>&1 || {
-        cat "$BUILD/logs/pip.log" >&2; echo "installing the wheels failed" >&2; exit 2; }
+    # only what the image lacks: tools/gpu_install.py follows the requirements through the wheels' metadata and
+    # leaves out every distribution the image already has (a bare image with torch alone gets everything carried)
+    "$PY" tools/gpu_install.py --wheels "$WHEELS" > "$BUILD/logs/install-plan.txt" 2> "$BUILD/logs/install-missing.txt"
+    plan_rc=$?
+    if [ "$plan_rc" -ne 0 ]; then
+        FAILED_AT="install: $(tail -1 "$BUILD/logs/install-missing.txt")"; cat "$BUILD/logs/install-missing.txt" >&2
+        exit 2
+    fi
+    if [ -s "$BUILD/logs/install-plan.txt" ]; then
+        # shellcheck disable=SC2046
+        "$PY" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+            $(cat "$BUILD/logs/install-plan.txt") > "$BUILD/logs/pip.log" 2>&1 || {
+            FAILED_AT="install: pip failed"; cat "$BUILD/logs/pip.log" >&2; echo "installing the wheels failed" >&2; exit 2; }
+    fi
+    echo "installed from .whl: $(wc -l < "$BUILD/logs/install-plan.txt") wheels (the image has the rest)"
     # the packages, and their data files (nbconvert's HTML templates) where Jupyter looks for them
     export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
     export JUPYTER_PATH="$SITE/share/jupyter${JUPYTER_PATH:+:$JUPYTER_PATH}"
@@ -216,11 +266,11 @@ build, out, budget = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 environment = json.loads((build / "environment.json").read_text())
 
 
-def first_error(stem: str) -> str:
+def first_error(stem: str, mode: str) -> str:
     """The failing cell and its error, from the executed copy (papermill keeps it up to the failure)."""
-    path = build / "run" / "executed" / f"{stem}.ipynb"
+    path = build / "run" / ("check" if mode == "check" else "") / "executed" / f"{stem}.ipynb"
     if not path.exists():
-        log = build / "logs" / f"{stem}.log"
+        log = build / "logs" / f"{stem}-{mode}.log"
         text = log.read_text(errors="replace") if log.exists() else ""
         last = [line.strip() for line in text.splitlines() if line.strip()]
         return f"no executed copy; log: {last[-1]}" if last else "no executed copy, empty log"
@@ -236,16 +286,16 @@ def first_error(stem: str) -> str:
 
 rows = []
 for line in (build / "status.tsv").read_text().splitlines():
-    stem, status, seconds, rc = line.split("\t")
-    detail = {"ok": "", "not run": "out of time"}.get(status)
+    stem, mode, status, seconds, rc = line.split("\t")
+    detail = {"ok": "", "not run": "left for a later call"}.get(status)
     if detail is None:
-        detail = first_error(stem)
-    rows.append({"notebook": stem, "status": status, "seconds": float(seconds), "exit_code": int(rc),
+        detail = first_error(stem, mode)
+    rows.append({"notebook": stem, "mode": mode, "status": status, "seconds": float(seconds), "exit_code": int(rc),
                  "detail": detail})
 tests = json.loads((build / "tests.json").read_text()) if (build / "tests.json").exists() else None
 filed = json.loads((build / "filed.json").read_text()) if (build / "filed.json").exists() else None
 status = {"environment": environment, "notebooks": rows, "unit_tests": tests, "filed": filed,
-          "mode": "check (dry run)" if environment.get("dry_run") else "full", "budget_s": float(budget)}
+          "mode": "check (dry run)" if environment.get("dry_run") else "check, then full", "budget_s": float(budget)}
 (build / "status.json").write_text(json.dumps(status, indent=2) + "\n")
 
 smi = environment.get("nvidia_smi") or []
@@ -253,9 +303,9 @@ driver = f"driver {smi[0].split(',')[1].strip()}" if smi and smi[0].count(",") >
 lines = [f"GPU reference run: {environment['name']} | {driver} | CUDA {environment.get('torch_cuda')} | "
          f"torch {environment['torch']} | {status['mode']} mode",
          f"unit tests: {tests['status']} ({tests['line']})" if tests else "unit tests: not run",
-         "", f"{'notebook':<44}{'status':<10}{'seconds':>8}  first error / note"]
+         "", f"{'notebook':<42}{'mode':<6}{'status':<9}{'seconds':>8}  first error / note"]
 for row in rows:
-    lines.append(f"{row['notebook']:<44}{row['status']:<10}{row['seconds']:>8.1f}  {row['detail'][:70]}")
+    lines.append(f"{row['notebook']:<42}{row['mode']:<6}{row['status']:<9}{row['seconds']:>8.1f}  {row['detail'][:64]}")
 counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "FAILED", "TIMEOUT", "CRASHED", "not run")}
 lines += ["", "  ".join(f"{n} {s}" for s, n in counts.items() if n)]
 if filed:
@@ -269,13 +319,17 @@ pack() {   # summary, results, logs, the filed folder -> $OUT/reference.tar.gz; 
     summarize || return 1
     cp "$BUILD/summary.txt" "$OUT_DIR/summary.txt" || return 1
     local members=(summary.txt status.json environment.json nvidia-smi.txt logs)
-    for extra in filed run/runtimes.json run/results run/results.json run/figures tests.log calculator_validation.txt; do
+    for extra in filed plan.txt run/runtimes.json run/results run/results.json run/figures run/check/runtimes.json \
+                 tests.log calculator_validation.txt; do
         [ -e "$BUILD/$extra" ] && members+=("$extra")
     done
     tar -czf "$OUT_DIR/reference.tar.gz" -C "$BUILD" "${members[@]}" || return 1
     rm -f "$OUT_DIR"/executed.tar.gz*
-    if [ -d "$RUN/executed" ]; then
-        tar -czf "$OUT_DIR/executed.tar.gz" -C "$BUILD" run/executed || return 1
+    local executed=()
+    [ -d "$RUN/executed" ] && executed+=(run/executed)
+    [ -d "$RUN/check/executed" ] && executed+=(run/check/executed)
+    if [ ${#executed[@]} -gt 0 ]; then
+        tar -czf "$OUT_DIR/executed.tar.gz" -C "$BUILD" "${executed[@]}" || return 1
         local size
         size=$(stat -c %s "$OUT_DIR/executed.tar.gz")
         if [ "$size" -gt $((5 * PART_MIB * 1024 * 1024)) ]; then
@@ -337,21 +391,37 @@ if [ -n "$CALCULATOR_ARGS" ]; then
 fi
 
 DEADLINE=$((STARTED + BUDGET_S))
-for stem in $STEMS; do
+# the plan for the time left: check mode for every notebook, then full mode by priority, less what already passed on
+# this GPU (results/<gpu>/reference_run.json), or what the arguments asked for, in their order
+RECORD=$RESULTS/$SLUG/reference_run.json
+left=$((DEADLINE - $(date +%s) - PACK_RESERVE_S))
+"$PY" tools/gpu_plan.py --print "${PLAN_FLAGS[@]}" --budget "$(( left > 1 ? left : 1 ))" --record "$RECORD" \
+    "${NOTEBOOKS[@]}" > "$BUILD/plan.txt" 2>&1
+"$PY" tools/gpu_plan.py "${PLAN_FLAGS[@]}" --budget "$(( left > 1 ? left : 1 ))" --record "$RECORD" \
+    "${NOTEBOOKS[@]}" > "$BUILD/plan.tsv" || { FAILED_AT="planning failed"; exit 2; }
+cat "$BUILD/plan.txt"
+while IFS=$'\t' read -r stem mode estimate planned_limit; do
     now=$(date +%s)
     left=$((DEADLINE - now - PACK_RESERVE_S))
-    if [ "$left" -lt "$MIN_NOTEBOOK_S" ]; then
-        printf '%s\tnot run\t0\t0\n' "$stem" >> "$STATUS"
+    if [ "$planned_limit" -eq 0 ] || [ "$left" -lt "$MIN_NOTEBOOK_S" ] || [ "$left" -lt "$estimate" ]; then
+        printf '%s\t%s\tnot run\t0\t0\n' "$stem" "$mode" >> "$STATUS"
         continue
     fi
-    limit=$(( left < NOTEBOOK_TIMEOUT_S ? left : NOTEBOOK_TIMEOUT_S ))
-    runtime="$BUILD/runtime/$stem"
+    limit=$planned_limit
+    [ "$limit" -gt "$NOTEBOOK_TIMEOUT_S" ] && limit=$NOTEBOOK_TIMEOUT_S
+    [ "$limit" -gt "$left" ] && limit=$left
+    runtime="$BUILD/runtime/$stem-$mode"
     mkdir -p "$runtime"
-    echo "running $stem (limit ${limit} s)"
+    echo "running $stem in $mode mode (estimate ${estimate} s, limit ${limit} s)"
+    # each mode writes its own build folder: check mode's executed copies never replace full mode's
+    build_dir=$RUN
+    check=0
+    if [ "$mode" = check ]; then build_dir=$RUN/check; check=1; fi
     runner=("$PY" tools/run_notebooks.py)
     # shellcheck disable=SC2206
     [ -n "${GPU_REFERENCE_RUNNER:-}" ] && runner=($GPU_REFERENCE_RUNNER)
-    JUPYTER_RUNTIME_DIR=$runtime timeout --kill-after=15 "$limit" "${runner[@]}" "$stem" > "$BUILD/logs/$stem.log" 2>&1
+    PYTORCH_INTRO_BUILD_DIR=$build_dir PYTORCH_INTRO_CHECK_MODE=$check JUPYTER_RUNTIME_DIR=$runtime \
+        timeout --kill-after=15 "$limit" "${runner[@]}" "$stem" > "$BUILD/logs/$stem-$mode.log" 2>&1
     rc=$?
     seconds=$(( $(date +%s) - now ))
     case $rc in
@@ -360,9 +430,9 @@ for stem in $STEMS; do
         124|137) status=TIMEOUT; kill_kernels "$runtime" ;;
         *) status=CRASHED; infra=4 ;;
     esac
-    printf '%s\t%s\t%s\t%s\n' "$stem" "$status" "$seconds" "$rc" >> "$STATUS"
-    pack || { echo "packing failed" >&2; exit 5; }
-done
+    printf '%s\t%s\t%s\t%s\t%s\n' "$stem" "$mode" "$status" "$seconds" "$rc" >> "$STATUS"
+    pack || { FAILED_AT="packing failed after $stem"; echo "packing failed" >&2; exit 5; }
+done < "$BUILD/plan.tsv"
 
 # file the figures like `make results`, onto a copy of this device's results/ folder (what the unpack copies back)
 mkdir -p "$BUILD/filed" || exit 5
@@ -383,24 +453,44 @@ from pathlib import Path
 
 build, slug, rc = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 folder = build / "filed" / slug
+
+
+def update_runs(record: dict, build: Path) -> None:
+    """record["runs"][stem][mode] = this call's status, seconds and the notebook's content hash (what the next
+    call's default plan skips when it passed, tools/gpu_plan.py)."""
+    from tools.gpu_plan import notebook_hash
+    runs = record.setdefault("runs", {})
+    for line in (build / "status.tsv").read_text().splitlines():
+        stem, mode, status, seconds, _ = line.split("\t")
+        if status != "not run":
+            runs.setdefault(stem, {})[mode] = {"status": status, "seconds": float(seconds),
+                                               "hash": notebook_hash(stem)}
+
 log = (build / "logs" / "filing.log").read_text().strip()
 if rc == 0 and folder.is_dir():
     figures = sorted(p.name for p in (folder / "figures").glob("*.png"))
     note = f"results/{slug}/ ({len(figures)} figures, with what earlier runs filed there)"
     # the runs' own record beside the figures: how each notebook went, on which driver, CUDA and torch (a later
     # call that runs other notebooks adds to what an earlier call filed)
-    rows = [line.split("\t") for line in (build / "status.tsv").read_text().splitlines()]
     record_path = folder / "reference_run.json"
-    record = json.loads(record_path.read_text()) if record_path.exists() else {"notebooks": {}}
+    record = json.loads(record_path.read_text()) if record_path.exists() else {}
     record["environment"] = json.loads((build / "environment.json").read_text())
-    record["notebooks"].update({r[0]: {"status": r[1], "seconds": float(r[2])} for r in rows if r[1] != "not run"})
+    update_runs(record, build)
     record_path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 elif json.loads((build / "environment.json").read_text()).get("dry_run"):
     note = "nothing: a dry run is in check mode, and results/ holds full-mode runs only"
     shutil.rmtree(build / "filed", ignore_errors=True)
 else:
-    note = "nothing (" + (log.splitlines()[-1][:160] if log else f"save_results exited {rc}") + ")"
-    shutil.rmtree(build / "filed", ignore_errors=True)
+    # no figures to file (no full-mode notebook passed), but the record of what ran on this GPU still goes back, so
+    # the next call's default plan skips the check-mode runs that passed
+    folder.mkdir(parents=True, exist_ok=True)
+    record_path = folder / "reference_run.json"
+    record = json.loads(record_path.read_text()) if record_path.exists() else {}
+    record["environment"] = json.loads((build / "environment.json").read_text())
+    update_runs(record, build)
+    record_path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    note = (f"the run record only, results/{slug}/reference_run.json (no figures: "
+            + (log.splitlines()[-1][:120] if log else f"save_results exited {rc}") + ")")
 (build / "filed.json").write_text(json.dumps({"exit_code": rc, "note": note}) + "\n")
 PY
 pack || { echo "packing failed" >&2; exit 5; }
