@@ -182,3 +182,14 @@ def test_install_names_what_neither_the_image_nor_the_wheels_have(tmp_path, whee
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_install.py"), "--wheels", str(wheelhouse),
                            "fakerunner"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "fakenumbers" in done.stderr
+
+
+def test_the_readme_gives_each_notebooks_estimates_as_the_plan_holds_them():
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("<!-- gpu-estimates -->")[1].split("<!-- /gpu-estimates -->")[0]
+    rows = {line.split("|")[1].strip(): line for line in table.strip().splitlines()[2:]}
+    for stem in gpu_plan.notebook_stems():
+        check_s, full_s = gpu_plan.ESTIMATE_S.get(stem[:2], gpu_plan.DEFAULT_ESTIMATE_S)
+        assert rows.get(stem[:2]) == f"| {stem[:2]} | {check_s} s | {full_s} s |", \
+            f"README's GPU estimates for {stem} differ from tools/gpu_plan.py"
+    assert "tools/gpu_reference.sh --plan" in readme and "--unpack" in readme
