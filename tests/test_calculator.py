@@ -249,3 +249,18 @@ def test_prediction_needs_no_torch_work_and_is_quick():
     assert time.perf_counter() - started < 5.0
     assert breakdown.parameters == math.ceil(C.count_parameters(C.preset("70B")) * 4 / 64) or breakdown.parameters > 0
     assert not torch.is_tensor(breakdown.total)
+
+
+def test_the_calculator_is_a_package_of_short_modules():
+    """Issue 33: one file per part of the design (engine, ops, architectures, optimizers, command line,
+    validation), each short enough to read in one sitting."""
+    from pathlib import Path
+
+    package = Path(C.__file__).parent
+    assert package.name == "calculator" and not (package.parent / "calculator.py").exists()
+    lengths = {path.name: len(path.read_text().splitlines()) for path in package.glob("*.py")}
+    assert {"replay.py", "ops.py", "hf.py", "hf_llama.py", "optimizers.py", "cli.py", "validate.py",
+            "validate_hf.py"} <= set(lengths)
+    assert max(lengths.values()) <= 520, f"a module grew past one sitting: {lengths}"
+    assert sorted(p.name for p in (package / "configs").glob("*.json")) == sorted(
+        f"{name}.json" for name in C.SHIPPED_CONFIGS)

@@ -6,6 +6,7 @@ bytes) run against a fake torch.cuda in tests/test_cuda_paths.py."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 import pytest
@@ -145,9 +146,28 @@ def test_script_needs_torchrun(monkeypatch, tmp_path):
     for name in parallel.TORCHRUN_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeError, match="must run under torchrun: RANK, WORLD_SIZE"):
-        script.main(["--strategy", "ddp", "--out", str(tmp_path)])
+        script.measured_main(["--strategy", "ddp", "--out", str(tmp_path)])
+    with pytest.raises(RuntimeError, match="run me under torchrun"):
+        script.main(["--strategy", "ddp"])
     with pytest.raises(SystemExit):
         script.build_parser().parse_args(["--strategy", "zero3", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        script.parse_args(["--strategy", "zero3"])
+
+
+def test_the_script_is_self_contained_and_marked():
+    """The script part imports only the standard library and torch, so a reader can copy it out of the repo."""
+    import ast
+
+    import utils.distributed as script
+
+    tree = ast.parse(script.script_source())
+    modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    modules |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert all(name.split(".")[0] in {"torch", "argparse", "contextlib", "datetime", "itertools", "os", "shutil",
+                                      "pathlib"} for name in modules), modules
+    assert script.script_source().count("# --- the script, part") == 3
+    assert len(script.script_sha256()) == 64
 
 
 def test_the_launcher_does_not_import_the_script_it_launches():
@@ -183,9 +203,13 @@ def test_one_rank_run_in_process_matches_the_prediction(strategy, tmp_path):
     record = result.ranks[strategy][0]
     psi, tensors = record["num_parameters"], record["num_tensors"]
     footprint = parallel.predict_zero_bytes_per_rank(psi, 1, parallel.ZERO_STAGE[strategy], num_tensors=tensors)
+    batch_bytes = 4 * (4 * 16 + 8)                 # the loop's batch: 4 samples of 16 fp32 features, int64 labels
     assert record["categories"] == {"params": footprint.params_bytes, "grads": footprint.grads_bytes,
                                     "optimizer": footprint.optimizer_bytes,
-                                    "other": 4 * psi if strategy == "ddp" else 0}
+                                    "other": batch_bytes + 4 + 4 + 8}   # loss, running total, count of targets
+    assert record["grad_bytes_at_step_start"] == [0, 0], "the script frees the gradients at the end of a step"
+    assert record["gathered_after_forward_bytes"] == ([0, 0] if strategy == "fsdp" else [4 * psi] * 2)
+    assert record["script_sha256"] == script.script_sha256()
     reference, _ = parallel.train_single_process(parallel.RunConfig(hidden=16, micro_batch=4, steps=2,
                                                                     steps_per_epoch=1), 1)
     weights = torch.load(tmp_path / f"{strategy}_weights.pt")
@@ -193,6 +217,12 @@ def test_one_rank_run_in_process_matches_the_prediction(strategy, tmp_path):
     assert json.loads((tmp_path / f"{strategy}_rank0.json").read_text())["world_size"] == 1
     # the ranks' wall clock, against the launch's start: what the notebook's start-up time is measured with
     assert result.started_at <= record["wall_start_s"] <= record["wall_end_s"] <= result.started_at + result.seconds
+    assert not any(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")), "variables restored"
+
+
+def test_kill_rank_needs_a_checkpoint_folder(tmp_path):
+    with pytest.raises(ValueError, match="kill_rank needs checkpoint_dir"):
+        parallel.script_arguments(strategies=["fsdp"], out=tmp_path, kill_rank=1)
 
 
 # --- the tracker: DTensors and storages resized outside the dispatcher ---------------------------------

@@ -372,6 +372,30 @@ def predict_13(p: dict) -> dict[str, int]:
     }
 
 
+def predict_10_fewer_bits(p: dict) -> dict[str, int]:
+    """10 fewer bits: an upper bound that adds up what its sections keep, as if all were alive at once.
+
+    - section 2's full fine-tuning step of its TinyTransformer in fp32 with AdamW (16 B per parameter) and its
+      activations, bounded by 40 fp32 (B, T, C) tensors per block plus three fp32 (B, T, V) tensors (the logits,
+      their fp32 copy for the loss, their gradient);
+    - the fp32 base model of section 1 (4 B per parameter) and section 4's four trained models, kept for
+      section 5 (one fp32, three bf16: 10 B per parameter);
+    - section 4's fp32 and bf16 copies of every weight (the lost-update counts, the repeated updates): at most
+      6 fp32 copies;
+    - section 3's transformers Llama, twice (prepared and not), each at most the TinyTransformer's fp32 state.
+    """
+    model = _meta(lambda: utils.TinyTransformer(p["VOCAB"], p["D_MODEL"], p["NUM_HEADS"], p["NUM_LAYERS"],
+                                                max_seq_len=p["SEQ_LEN"]))
+    tokens = p["BATCH_SIZE"] * p["SEQ_LEN"]
+    return {
+        "full fine-tuning: fp32 AdamW model state": _state(model),
+        "full fine-tuning: activations and logits": 4 * tokens * (40 * p["NUM_LAYERS"] * p["D_MODEL"] + 3 * p["VOCAB"]),
+        "section 1's base model and section 4's trained models": 14 * utils.count_parameters(model),
+        "section 4's copies of the weights": 6 * _weights(model),
+        "section 3's two Llamas": 2 * _state(model),
+    }
+
+
 PREDICTIONS: dict[str, Callable[[dict], dict[str, int]]] = {
     "00_measuring_memory_and_time": predict_00,
     "01_parameter_footprint": predict_01,
@@ -383,6 +407,7 @@ PREDICTIONS: dict[str, Callable[[dict], dict[str, int]]] = {
     "07_what_frees_memory": predict_07,
     "08_memory_budget_offloading_chunked_loss": predict_08,
     "09_fine_tuning_lora_and_optimizer_memory": predict_09,
+    "10_fewer_bits_4bit_bf16_fp8": predict_10_fewer_bits,
     "11_long_sequences_attention_memory": predict_10,
     "12_distributed_ddp_zero_fsdp": predict_11,
     "14_checkpoint_and_resume": predict_12,

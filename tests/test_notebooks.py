@@ -49,13 +49,19 @@ CHECK_BUDGET_S = {"00_measuring_memory_and_time": 30, "01_parameter_footprint": 
                   "15_capstone_fit_then_fast": 40,
                   # process start dominates: each rank is a fresh Python that imports torch (~19 s)
                   "12_distributed_ddp_zero_fsdp": 40,
+                  # one launch of 4 ranks, each a fresh Python importing torch, DTensor (which imports sympy and
+                  # inductor) and pipelining: ~4 CPU seconds each before any work (~25-31 s of CPU)
+                  "13_model_parallel_tp_sp_pp_cp": 50,
                   # three one-block compiles on aot_eager_decomp_partition, no Inductor: a cold cache costs
                   # nothing (~15 s)
                   "08_memory_budget_offloading_chunked_loss": 30,
                   # five budgeted width searches, each building and training a model per width it tries (~10 s)
                   "09_fine_tuning_lora_and_optimizer_memory": 30,
                   # three budgeted sequence-length searches and their probes, the naive attention's L x L (~12 s)
-                  "11_long_sequences_attention_memory": 30}
+                  "11_long_sequences_attention_memory": 30,
+                  # importing transformers and peft for the prepare_model_for_kbit_training trap (~3 s), four
+                  # short bf16 training runs, sixteen wrong answers (~12 s)
+                  "10_fewer_bits_4bit_bf16_fp8": 30}
 NBVAL_EXPECTED = ROOT / "tests" / "nbval_expected.json"
 
 
@@ -153,13 +159,15 @@ def test_no_file_names_a_notebook_by_an_old_number():
         path = ROOT / name
         if path.suffix in {".py", ".md", ".ipynb", ".json", ".sh", ".toml", ".txt"} and path.is_file():
             texts[name] = path.read_text(errors="replace")
+    for path in NOTEBOOK_PATHS:                 # a notebook not yet committed counts too
+        texts.setdefault(f"notebooks/{path.name}", path.read_text())
     problems = []
     for notebook in NOTEBOOK_PATHS:
         number, topic = notebook.stem[:2], notebook.stem[3:]
         pattern = re.compile(rf"(?<![\w])(\d\d)_{re.escape(topic)}")
         for name, text in texts.items():
             problems += [f"{name}: {m.group(0)}" for m in pattern.finditer(text) if m.group(1) != number]
-        figures = re.findall(r'save_figure\([^,]+,\s*\\?"(\d\d)_', texts[f"notebooks/{notebook.name}"])
+        figures = re.findall(r'save_figure\([^,]+,\s*\\?"(\d\d)_', notebook.read_text())
         problems += [f"{notebook.name} saves a figure numbered {n}" for n in figures if n != number]
     for figure in (ROOT / "results").glob("*/figures/*.png"):
         if not any(p.stem.startswith(figure.name[:3]) for p in NOTEBOOK_PATHS):
@@ -275,7 +283,7 @@ EXPECTED_FIGURES = {
         "every_block_memory_saving": lambda v, f: 0.2 < v < 1,
         "every_block_activation_saving": lambda v, f: v > f["every_block_memory_saving"],
         "every_block_time_overhead": lambda v, f: v > -1,
-        "predicted_time_overhead": lambda v, f: 0 < v < 1,
+        "predicted_time_overhead": lambda v, f: v > 0,     # a ratio of two timings: its size is not asserted
         "best_segments": lambda v, f: v >= 2,
         "predicted_best_segments": lambda v, f: v > 1,
         "linear_relu_per_layer_peak_ratio": lambda v, f: v >= 0.95,
@@ -375,7 +383,9 @@ EXPECTED_FIGURES = {
         "sdpa_peak_ratio": lambda v, f: 0 < v < 1,                           # no T x T matrices kept
         "checkpoint_per_sample_saving": lambda v, f: 0 < v < 1,
         "autocast_per_sample_saving": lambda v, f: 0 < v < 1,
-        "conv_largest_batch_gain": lambda v, f: v >= 1,
+        "llama_largest_batch_gain": lambda v, f: v >= 1,
+        "llama_calculator_over_memtracker_peak": lambda v, f: v > 0,
+        "llama_recipe_gradient_relative_error": lambda v, f: 0 <= v < 2.5e-4,   # fp32 summation order, full mode's B*T*eps
         "ladder_top_speedup": lambda v, f: v > 0,
         "autocast_rung_speedup": lambda v, f: v > 0,
         "checkpoint_speed": lambda v, f: v > 0,
@@ -385,7 +395,7 @@ EXPECTED_FIGURES = {
         "max_weight_difference_vs_one_process": lambda v, f: v < 5e-4,
         "no_sync_weight_difference": lambda v, f: v < 5e-4,
         "fsdp_end_bytes_over_prediction": lambda v, f: v == 1.0,
-        "ddp_bytes_per_parameter": lambda v, f: 20 <= v < 20.01,
+        "ddp_bytes_per_parameter": lambda v, f: 16 <= v < 16.01,      # gradient_as_bucket_view: no 4 more
         "no_reshard_extra_over_4psi": lambda v, f: v == 1.0,
         "fsdp_over_ddp_communication": lambda v, f: abs(v - 1.5) < 1e-3,
         "fsdp_over_ddp_step_time": lambda v, f: v > 0,
@@ -393,6 +403,22 @@ EXPECTED_FIGURES = {
         "gpus_for_70b_fsdp": lambda v, f: v == 32,
         "calculator_7b_fsdp_peak_gib": lambda v, f: 0 < v <= 0.9 * 80e9 / 2**30,   # the whole step fits its 2 GPUs
         "calculator_70b_autocast_copies_gib": lambda v, f: v > 1.5 * 69e9 / 2**30,  # ~2 bytes per parameter, unsharded
+    },
+    "13_model_parallel_tp_sp_pp_cp": {
+        "launch_seconds": lambda v, f: v > 0,
+        "tp_max_output_error": lambda v, f: v < 1e-5,
+        "tp_state_fraction_of_one_process": lambda v, f: 0.25 < v < 0.5,        # matrices 1/4, norms whole
+        "tp_activation_fraction": lambda v, f: 0.25 < v < 1,
+        "sp_activation_fraction": lambda v, f: 0.25 < v < f["tp_activation_fraction"],
+        "tp_collectives_per_block_forward": lambda v, f: v == 2,                 # Megatron's two all-reduces
+        "loss_parallel_logits_fraction": lambda v, f: v == 0.25,
+        "two_d_over_fsdp_state": lambda v, f: v > 1,                             # the norms are only halved
+        "pipeline_bubble_fraction": lambda v, f: 0 < v < 1,
+        "gpipe_over_1f1b_stage0_activations": lambda v, f: v > 1,
+        "ring_max_error": lambda v, f: v < 1e-5,
+        "contiguous_busiest_over_least": lambda v, f: v > 1,
+        "smallest_gpus_70b": lambda v, f: 16 * 69e9 / 72e9 <= v <= 256,
+        "smallest_gpus_405b": lambda v, f: v > f["smallest_gpus_70b"],
     },
     "09_fine_tuning_lora_and_optimizer_memory": {
         "top_over_bottom_frozen_activations": lambda v, f: v > 1,
@@ -413,6 +439,7 @@ EXPECTED_FIGURES = {
         "lora_widest_over_full": lambda v, f: v > 1,
         "lora_checkpointing_widest_over_full": lambda v, f: v >= f["lora_widest_over_full"],
         "adamw8bit_widest_over_adamw_full": lambda v, f: v >= 1,
+        "peft_over_bf16_lora_activations": lambda v, f: v > 1,             # peft's fp32 casts of each adapted input
     },
     "08_memory_budget_offloading_chunked_loss": {
         "budget0_saved_ratio": lambda v, f: 0 < v < 0.5,
@@ -426,6 +453,23 @@ EXPECTED_FIGURES = {
         "chunked_peak_ratio_smallest_chunk": lambda v, f: 0 < v < 0.5,
         "chunked_step_time_ratio_smallest_chunk": lambda v, f: v > 0,
     },
+    "10_fewer_bits_4bit_bf16_fp8": {
+        "nf4_double_quant_bits_per_parameter": lambda v, f: 4.12 < v < 4.2,         # 4 + 8/64 + 32/(64*256), a few offsets
+        "nf4_relative_weight_error": lambda v, f: 0 < v < 0.15,
+        "naive_dequant_saved_over_packed_weight": lambda v, f: v == 4,              # bf16 copy: 2 B against 0.5 B
+        "qlora_over_bf16_lora_step_peak": lambda v, f: 0 < v < 1,
+        "bf16_lora_over_full_step_peak": lambda v, f: 0 < v < 1,
+        "prepared_over_plain_qlora_step_peak": lambda v, f: v > 1,
+        "bf16_updates_lost_lr_1e-4": lambda v, f: 0 < v < 1,
+        "stochastic_rounding_realised_fraction": lambda v, f: abs(v - 1) < 0.05,
+        "bf16_sr_bytes_per_parameter": lambda v, f: v == 8,
+        "bf16_sr_max_loss_deviation": lambda v, f: v >= 0,
+        "bf16_nearest_max_loss_deviation": lambda v, f: v >= 0,
+        "fp8_rowwise_over_tensorwise_activation_error": lambda v, f: 0 < v <= 1.05,
+        "fsdp_fp8_all_gather_comm_over_bf16": lambda v, f: abs(v - 2 / 3) < 1e-3,  # two of three passes halved
+        "qlora_70b_model_state_gb": lambda v, f: 30 < v < 80,
+        "prepared_70b_extra_gb": lambda v, f: abs(v - 2 * 2 * 32000 * 8192 / 1e9) < 0.01,  # embeddings + head, norms
+    },
     "11_long_sequences_attention_memory": {
         "attention_saved_bytes_max_error": lambda v, f: v == 0,                 # predicted to the byte on the CPU
         "attention_crossover_length": lambda v, f: abs(v - 4112 / 17) < 1e-9,   # B=1, H=4, D=16, fp32
@@ -433,15 +477,17 @@ EXPECTED_FIGURES = {
         "attention_step_ms_math": lambda v, f: v > 0,
         "attention_step_ms_flash": lambda v, f: v > 0,
         "naive_over_fused_saved_bytes": lambda v, f: v > 1,
-        "online_softmax_max_error": lambda v, f: v < 1e-5,
+        "online_softmax_error_bound": lambda v, f: 0 < v < 1e-2,              # (L + D)·ε·max|v|
+        "online_softmax_max_error": lambda v, f: v <= f["online_softmax_error_bound"],
         "online_softmax_grad_max_error": lambda v, f: v < 1e-4,
         "online_forward_peak_growth_2x_length": lambda v, f: v < 2.1,          # O(L)
         "naive_forward_peak_growth_2x_length": lambda v, f: v > 3,             # O(L²)
         "layer_prediction_max_error": lambda v, f: v == 0,
         "layer_naive_over_fused": lambda v, f: v > 1,
         "padding_fraction": lambda v, f: 0 < v < 1,
-        "packed_document_loss_max_difference": lambda v, f: v < 1e-5,
-        "packed_gradient_relative_difference": lambda v, f: v < 1e-5,
+        "packed_fp32_bound": lambda v, f: 0 < v < 1e-3,                        # layers · longest sum · ε
+        "packed_document_loss_max_difference": lambda v, f: v <= f["packed_fp32_bound"],
+        "packed_gradient_relative_difference": lambda v, f: v <= f["packed_fp32_bound"],
         "padded_over_packed_saved_bytes": lambda v, f: v > 1,
         "padded_over_packed_step_peak": lambda v, f: v > 0,
         "padded_over_packed_step_time": lambda v, f: v > 0,

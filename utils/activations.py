@@ -50,6 +50,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         count = valid.sum()
         ctx.save_for_backward(hidden, weight, bias, safe_targets, valid, count)
         ctx.chunk_size = chunk_size
+        device = hidden.device.type          # backward recomputes the logits under the autocast state forward ran in
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         return total / count
 
     @staticmethod
@@ -66,7 +68,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
             hidden_chunk = hidden[start:end]
-            logits = _chunk_logits(hidden_chunk, weight, bias)                  # (C, V) float32, recomputed
+            with torch.autocast(*ctx.autocast):
+                logits = _chunk_logits(hidden_chunk, weight, bias)              # (C, V) float32, recomputed
             probs = logits.softmax(dim=-1)
             del logits
             rows = torch.arange(end - start, device=probs.device)

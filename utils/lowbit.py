@@ -299,3 +299,176 @@ class AdamW8bit(torch.optim.Optimizer):
                            out_codes=state["exp_avg_codes"], out_scales=state["exp_avg_scales"])
         quantize_blockwise(exp_avg_sq, unsigned, block_size,
                            out_codes=state["exp_avg_sq_codes"], out_scales=state["exp_avg_sq_scales"])
+
+
+# --- notebook 10 (fewer bits): the formulas behind its predictions --------------------------------------
+
+#: bitsandbytes' NF4 table (``bitsandbytes.functional``, the 16 values its 4-bit kernels index), kept here
+#: only to cross-check notebook 10's own construction of the levels; bitsandbytes is not installed.
+NF4_BITSANDBYTES = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+                    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+                    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                    0.7229568362236023, 1.0)
+
+#: the float formats notebook 10 compares, by name: (torch dtype, exponent bits, mantissa bits)
+FORMATS: dict[str, tuple[torch.dtype, int, int]] = {
+    "fp32": (torch.float32, 8, 23), "bf16": (torch.bfloat16, 8, 7), "fp16": (torch.float16, 5, 10),
+    "e4m3": (torch.float8_e4m3fn, 4, 3), "e5m2": (torch.float8_e5m2, 5, 2)}
+
+#: what ``training_state_bytes`` knows how to count (see its docstring)
+METHODS = ("full", "lora", "qlora", "qlora-prepared", "bf16-sr", "bf16-kahan", "fp8")
+
+
+def float_format(name: str) -> dict[str, Any]:
+    """A float format's range and precision, derived from its bit layout (not read from ``torch.finfo``).
+
+    Why: FP8 comes in two layouts with very different trade-offs (e4m3: more precision, max 448; e5m2: more
+    range, max 57344); their figures follow from the bits, which is what notebook 10 checks against torch.
+
+    Args:
+        name: one of ``FORMATS`` ("fp32", "bf16", "fp16", "e4m3", "e5m2").
+
+    Returns:
+        ``{"dtype", "bits", "max", "smallest_normal", "eps"}``: ``eps`` is the gap between 1 and the next
+        value (relative rounding error at most ``eps / 2``). e4m3 is the "fn" variant (no infinities; its
+        all-ones pattern is NaN, so its largest mantissa at the top exponent is 110: 1.75 · 2⁸ = 448).
+
+    Raises:
+        ValueError: an unknown format name (the message lists the known ones).
+
+    Example:
+        >>> float_format("e4m3")["max"]
+        448.0
+    """
+    if name not in FORMATS:
+        raise ValueError(f"unknown format {name!r}: expected one of {sorted(FORMATS)}")
+    dtype, exponent_bits, mantissa_bits = FORMATS[name]
+    bias = 2 ** (exponent_bits - 1) - 1
+    if name == "e4m3":          # no inf: the top exponent is an ordinary one, minus the NaN pattern
+        largest = (2 - 2 * 2.0 ** -mantissa_bits) * 2.0 ** (2 ** exponent_bits - 1 - bias)
+    else:                       # IEEE-like: the top exponent is inf/NaN
+        largest = (2 - 2.0 ** -mantissa_bits) * 2.0 ** (2 ** exponent_bits - 2 - bias)
+    return {"dtype": dtype, "bits": 1 + exponent_bits + mantissa_bits, "max": largest,
+            "smallest_normal": 2.0 ** (1 - bias), "eps": 2.0 ** -mantissa_bits}
+
+
+def nf4_storage_bytes(numel: int, block_size: int = 64, double_quant: bool = True,
+                      scale_block_size: int = 256) -> int:
+    """Bytes a weight of ``numel`` elements takes in NF4 as notebook 10 stores it.
+
+    Two 4-bit codes per byte, plus the scales: one fp32 absmax per block of ``block_size`` elements, or,
+    with double quantisation, those scales stored as int8 codes (1 byte each) with one fp32 absmax per
+    ``scale_block_size`` of them and one fp32 offset (their mean) per weight.
+
+    Args:
+        numel: elements of the weight (> 0, a multiple of ``block_size``).
+        block_size: elements per NF4 block (even, > 0; QLoRA's 64).
+        double_quant: quantise the scales too (QLoRA's double quantisation).
+        scale_block_size: scales per block of the second quantisation (> 0; QLoRA's 256).
+
+    Returns:
+        Bytes (an int): ``numel / 2 + 4 · numel / block_size`` without double quantisation,
+        ``numel / 2 + blocks + 4 · ceil(blocks / scale_block_size) + 4`` with it.
+
+    Raises:
+        ValueError: a block size that is not a positive even int dividing ``numel``.
+
+    Example:
+        >>> nf4_storage_bytes(4096 * 4096) / (4096 * 4096)    # about 4.127 bits per parameter
+        0.5158...
+    """
+    positive_int("numel", numel, "elements")
+    positive_int("block_size", block_size, "elements per block")
+    positive_int("scale_block_size", scale_block_size, "scales per block")
+    if block_size % 2 or numel % block_size:
+        raise ValueError(f"block_size must be an even number of elements that divides the weight's {numel}, "
+                         f"got {block_size}")
+    blocks = numel // block_size
+    scales = blocks + 4 * math.ceil(blocks / scale_block_size) + 4 if double_quant else 4 * blocks
+    return numel // 2 + scales
+
+
+def lora_parameters(linear_shapes: Iterable[tuple[int, int]], rank: int) -> int:
+    """Elements of LoRA's adapters on Linear layers of shapes ``(out, in)``: ``rank · (in + out)`` each."""
+    positive_int("rank", rank)
+    return sum(rank * (in_features + out_features) for out_features, in_features in linear_shapes)
+
+
+def training_state_bytes(method: str, linear_shapes: Iterable[tuple[int, int]], other_parameters: int, *,
+                         lora_rank: int = 16, block_size: int = 64, double_quant: bool = True) -> int:
+    """Model state (weights, gradients, optimizer state) of one training set-up, from the shapes alone.
+
+    The model is described by the Linear layers that LoRA adapts and NF4 quantises (``(out, in)`` each) and
+    the number of its other parameters (embeddings, norms, biases, the head). AdamW throughout; its step
+    counters are not counted (torch keeps one 4-byte tensor per parameter tensor; add them when comparing
+    with a measurement). Activations are not included.
+
+    Methods:
+        ``"full"``: every parameter trains in fp32 with AdamW, or in mixed precision with fp32 master
+        weights: 16 bytes each. ``"lora"``: a bf16 frozen base (2 bytes each) and fp32 adapters with their
+        gradients and AdamW (16 bytes per adapter parameter). ``"qlora"``: the Linear layers in NF4
+        (``nf4_storage_bytes``), the rest bf16, the same adapters. ``"qlora-prepared"``: as ``"qlora"`` after
+        peft's ``prepare_model_for_kbit_training``, which casts every non-4-bit bf16/fp16 parameter to fp32
+        (4 bytes each). ``"bf16-sr"``: pure bf16 training, weights, gradients and both moments in bf16
+        (8 bytes each; stochastic rounding needs no extra state). ``"bf16-kahan"``: the same plus a bf16
+        Kahan compensation buffer (10). ``"fp8"``: dynamic FP8 training keeps the full set-up's 16 bytes (the
+        FP8 copies of a layer's weight, 1 byte per parameter, live only while its matmul runs).
+
+    Args:
+        method: one of ``METHODS``.
+        linear_shapes: ``(out_features, in_features)`` of each Linear layer LoRA would adapt.
+        other_parameters: elements of every other parameter (>= 0).
+        lora_rank: LoRA's rank (> 0), for the LoRA methods.
+        block_size, double_quant: NF4's settings, for the QLoRA methods.
+
+    Returns:
+        Bytes (an int).
+
+    Raises:
+        ValueError: an unknown method (the message lists them), a bad rank or block size.
+
+    Example:
+        >>> training_state_bytes("bf16-sr", [(8, 8)], 16)
+        640
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: expected one of {METHODS}")
+    shapes = [tuple(shape) for shape in linear_shapes]
+    linear = sum(out_features * in_features for out_features, in_features in shapes)
+    if isinstance(other_parameters, bool) or not isinstance(other_parameters, int) or other_parameters < 0:
+        raise ValueError(f"other_parameters must be an int >= 0 (elements), got {other_parameters!r}")
+    total = linear + other_parameters
+    if method in ("full", "fp8"):
+        return 16 * total
+    if method in ("bf16-sr", "bf16-kahan"):
+        return (8 if method == "bf16-sr" else 10) * total
+    adapters = 16 * lora_parameters(shapes, lora_rank)
+    if method == "lora":
+        return 2 * total + adapters
+    base = sum(nf4_storage_bytes(o * i, block_size, double_quant) for o, i in shapes)
+    return base + (2 if method == "qlora" else 4) * other_parameters + adapters
+
+
+def llama_shapes(num_layers: int, d_model: int, ffn_width: int, vocab_size: int, num_heads: int,
+                 num_kv_heads: int | None = None, tie_embeddings: bool = False) -> tuple[list[tuple[int, int]], int]:
+    """A Llama's Linear layers ``(out, in)`` (q, k, v, o, gate, up, down per block) and its other parameters.
+
+    The other parameters: the token embedding, the output head (unless tied), two RMSNorm weights per block
+    and the final norm. Llama 2 7B (32, 4096, 11008, 32000, 32) has 6,738,415,616 parameters, 70B (80, 8192,
+    28672, 32000, 64, 8 key/value heads) 68,976,648,192: the published counts.
+
+    Returns:
+        ``(linear_shapes, other_parameters)``, as ``training_state_bytes`` takes them.
+    """
+    for name, value in [("num_layers", num_layers), ("d_model", d_model), ("ffn_width", ffn_width),
+                        ("vocab_size", vocab_size), ("num_heads", num_heads)]:
+        positive_int(name, value)
+    num_kv_heads = num_heads if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
+    if d_model % num_heads or num_heads % num_kv_heads:
+        raise ValueError(f"d_model ({d_model}) must divide by num_heads ({num_heads}), and num_heads by "
+                         f"num_kv_heads ({num_kv_heads})")
+    kv_width = d_model // num_heads * num_kv_heads
+    block = [(d_model, d_model), (kv_width, d_model), (kv_width, d_model), (d_model, d_model),
+             (ffn_width, d_model), (ffn_width, d_model), (d_model, ffn_width)]
+    other = vocab_size * d_model * (1 if tie_embeddings else 2) + (2 * num_layers + 1) * d_model
+    return block * num_layers, other

@@ -189,10 +189,14 @@ class RunConfig:
         return world_size * self.micro_batch * self.accumulation_steps
 
 
-def make_model(config: RunConfig) -> MLP:
-    """The MLP every rank builds (same seed, same weights): ``layers`` Linear layers ``hidden`` wide."""
+def make_model(config: RunConfig) -> torch.nn.Sequential:
+    """The model every rank builds (same seed, same weights): ``layers`` Linear layers ``hidden`` wide, ReLU between.
+
+    ``utils.MLP``'s layers: the same ``nn.Sequential`` (same keys, same initial weights) as the launched script's
+    own ``make_model``, which notebook 12 checks.
+    """
     torch.manual_seed(config.seed)
-    return MLP(config.hidden, config.hidden, config.hidden, num_hidden_layers=config.layers - 1)
+    return MLP(config.hidden, config.hidden, config.hidden, num_hidden_layers=config.layers - 1).layers
 
 
 def make_dataset(config: RunConfig, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,31 +357,34 @@ def torchrun_command(nproc: int, script_args: Sequence[str], port: int | None = 
 def script_arguments(*, strategies: Sequence[str], out: Path | str, hidden: int = 64, layers: int = 4,
                      micro_batch: int = 8, steps: int = 4, steps_per_epoch: int = 2,
                      accumulation_steps: Sequence[int] = (1,), lr: float = 1e-2, seed: int = 0,
-                     save_at: Sequence[int] = (), checkpoint_dir: Path | str | None = None,
-                     resume_from: Path | str | None = None, kill_rank: int | None = None,
+                     checkpoint_dir: Path | str | None = None, save_every: int = 0, kill_rank: int | None = None,
                      collective_timeout_s: float = 30.0) -> list[str]:
-    """The command-line arguments of ``python -m utils.distributed`` for a run (``--device`` aside).
+    """The command-line arguments of a measured launch of ``python -m utils.distributed`` (``--device`` aside).
 
     Args:
         strategies: one or more of ``STRATEGIES``, run one after another in the same processes.
         out: the folder for the results.
         hidden, layers, micro_batch, steps, steps_per_epoch, accumulation_steps, lr, seed: the run.
-        save_at, checkpoint_dir, resume_from, kill_rank: sharded checkpoints of the ``fsdp`` run.
+        checkpoint_dir: the ``fsdp`` run saves sharded checkpoints here, and resumes from the newest one
+            it finds there (the script's own behaviour).
+        save_every: steps between checkpoints (0: only after the last step).
+        kill_rank: after the checkpointed run, this rank dies while saving one more step (a simulated
+            preemption; the launch then fails with that rank's error).
         collective_timeout_s: each collective's limit inside the ranks, seconds.
 
     Raises:
-        ValueError: an unknown strategy.
+        ValueError: an unknown strategy, or ``kill_rank`` without ``checkpoint_dir``.
     """
     for strategy in strategies:
         check_strategy(strategy)
+    if kill_rank is not None and checkpoint_dir is None:
+        raise ValueError("kill_rank needs checkpoint_dir: the rank is killed while it writes a checkpoint")
     args = ["--strategy", ",".join(strategies), "--accumulation-steps", ",".join(str(k) for k in accumulation_steps),
             "--hidden", hidden, "--layers", layers, "--micro-batch", micro_batch, "--steps", steps,
             "--steps-per-epoch", steps_per_epoch, "--lr", lr, "--seed", seed, "--out", out,
-            "--timeout-s", collective_timeout_s]
-    if save_at:
-        args += ["--save-at", ",".join(str(s) for s in save_at), "--checkpoint-dir", checkpoint_dir]
-    if resume_from is not None:
-        args += ["--resume-from", resume_from]
+            "--timeout-s", collective_timeout_s, "--save-every", save_every]
+    if checkpoint_dir is not None:
+        args += ["--checkpoint-dir", checkpoint_dir]
     if kill_rank is not None:
         args += ["--kill-rank", kill_rank]
     return [str(a) for a in args]
@@ -410,8 +417,8 @@ def launch(nproc: int, *, strategies: Sequence[str], out: Path | str, hidden: in
         port: ``None`` lets torchrun's ``--standalone`` rendezvous take a free port; a number
             must be free (else OSError).
         **run: the rest of the run, as ``script_arguments`` takes it (``layers``, ``micro_batch``,
-            ``steps``, ``steps_per_epoch``, ``accumulation_steps``, ``lr``, ``seed``, ``save_at``,
-            ``checkpoint_dir``, ``resume_from``, ``kill_rank``, ``collective_timeout_s``).
+            ``steps``, ``steps_per_epoch``, ``accumulation_steps``, ``lr``, ``seed``, ``checkpoint_dir``,
+            ``save_every``, ``kill_rank``, ``collective_timeout_s``).
 
     Returns:
         A ``LaunchResult``.
@@ -421,7 +428,7 @@ def launch(nproc: int, *, strategies: Sequence[str], out: Path | str, hidden: in
 
     Example:
         >>> result = launch(2, strategies=["ddp"], out=utils.build_dir() / "12_ddp")
-        >>> result.ranks["ddp"][1]["end_of_step_bytes"]
+        >>> result.ranks["ddp"][1]["categories"]
     """
     args = script_arguments(strategies=strategies, out=out, hidden=hidden, **run)
     check_world_size(nproc, hidden)

@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import random
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -60,8 +61,8 @@ def recipe_namespace(recipe: str, settings: Mapping[str, Any]) -> dict[str, Any]
     import utils   # the recipe builds its model with utils.MLP and its data with utils.make_classification_data
 
     namespace: dict[str, Any] = {"__name__": "recipe", "math": math, "os": os, "random": random, "signal": signal,
-                                 "time": time, "Path": Path, "torch": torch, "F": F, "nn": torch.nn, "utils": utils,
-                                 **settings}
+                                 "tempfile": tempfile, "time": time, "Path": Path, "torch": torch, "F": F,
+                                 "nn": torch.nn, "utils": utils, **settings}
     exec(compile(recipe, "<notebook 14's recipe>", "exec"), namespace)
     missing = [name for name in RECIPE_FUNCTIONS if not callable(namespace.get(name))]
     if missing:

@@ -2,21 +2,43 @@
 
 WRONG = {
     "exercise_1": {
-        "counts the Linear's output and ReLU's output as two tensors per layer": '''
-def predict_activation_bytes(batch_size, hidden_features, num_hidden_layers, out_features):
-    return 4 * (2 * num_hidden_layers * batch_size * hidden_features + batch_size * out_features)
+        "applies ReLU's rule: one saved tensor per hidden layer": '''
+def predict_activation_bytes(batch_size, widths, dtype):
+    bytes_per_element = torch.empty(0, dtype=dtype).element_size()
+    return bytes_per_element * batch_size * (sum(widths[1:-1]) + widths[-1])
+''',
+        "assumes 4 bytes per element whatever the dtype": '''
+def predict_activation_bytes(batch_size, widths, dtype):
+    return 4 * batch_size * (2 * sum(widths[1:-1]) + widths[-1])
 ''',
         "forgets the output": '''
-def predict_activation_bytes(batch_size, hidden_features, num_hidden_layers, out_features):
-    return 4 * num_hidden_layers * batch_size * hidden_features
+def predict_activation_bytes(batch_size, widths, dtype):
+    bytes_per_element = torch.empty(0, dtype=dtype).element_size()
+    return bytes_per_element * batch_size * 2 * sum(widths[1:-1])
 ''',
-        "counts elements, not bytes": '''
-def predict_activation_bytes(batch_size, hidden_features, num_hidden_layers, out_features):
-    return num_hidden_layers * batch_size * hidden_features + batch_size * out_features
+        "counts the input, which existed before the forward pass": '''
+def predict_activation_bytes(batch_size, widths, dtype):
+    bytes_per_element = torch.empty(0, dtype=dtype).element_size()
+    return bytes_per_element * batch_size * (widths[0] + 2 * sum(widths[1:-1]) + widths[-1])
 ''',
         "counts the weights instead of the activations": '''
-def predict_activation_bytes(batch_size, hidden_features, num_hidden_layers, out_features):
-    return 4 * (num_hidden_layers * hidden_features * hidden_features + hidden_features * out_features)
+def predict_activation_bytes(batch_size, widths, dtype):
+    bytes_per_element = torch.empty(0, dtype=dtype).element_size()
+    return bytes_per_element * sum(a * b + b for a, b in zip(widths, widths[1:]))
+''',
+        "counts elements, not bytes": '''
+def predict_activation_bytes(batch_size, widths, dtype):
+    return batch_size * (2 * sum(widths[1:-1]) + widths[-1])
+''',
+        "takes every hidden layer as wide as the first": '''
+def predict_activation_bytes(batch_size, widths, dtype):
+    bytes_per_element = torch.empty(0, dtype=dtype).element_size()
+    return bytes_per_element * batch_size * (2 * widths[1] * (len(widths) - 2) + widths[-1])
+''',
+        "counts the output twice, as if the last Linear were followed by GELU too": '''
+def predict_activation_bytes(batch_size, widths, dtype):
+    bytes_per_element = torch.empty(0, dtype=dtype).element_size()
+    return bytes_per_element * batch_size * (2 * sum(widths[1:-1]) + 2 * widths[-1])
 ''',
     },
     "exercise_2": {
@@ -39,6 +61,16 @@ predicted_bytes = {"t.reshape(128, 64)": 0, "t.t().reshape(-1)": t_bytes, "t.mul
 t_bytes = 64 * 128 * 4
 predicted_bytes = {"t.reshape(128, 64)": 0, "t.t().reshape(-1)": t_bytes, "t.mul_(2)": 0, "t * 2": t_bytes,
                    "t.float()": 0, "t.double()": t_bytes, "t[:, :64]": 0, "t[:, :64].clone()": t_bytes // 2}
+''',
+        "takes a reshape of a contiguous tensor for a copy": '''
+t_bytes = 64 * 128 * 4
+predicted_bytes = {"t.reshape(128, 64)": t_bytes, "t.t().reshape(-1)": t_bytes, "t.mul_(2)": 0, "t * 2": t_bytes,
+                   "t.float()": 0, "t.double()": 2 * t_bytes, "t[:, :64]": 0, "t[:, :64].clone()": t_bytes // 2}
+''',
+        "takes the in-place t.mul_(2) for a new tensor": '''
+t_bytes = 64 * 128 * 4
+predicted_bytes = {"t.reshape(128, 64)": 0, "t.t().reshape(-1)": t_bytes, "t.mul_(2)": t_bytes, "t * 2": t_bytes,
+                   "t.float()": 0, "t.double()": 2 * t_bytes, "t[:, :64]": 0, "t[:, :64].clone()": t_bytes // 2}
 ''',
     },
     "exercise_3": {

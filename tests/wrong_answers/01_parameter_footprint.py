@@ -30,25 +30,54 @@ def predict_state_bytes(model):
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2 and p.requires_grad)
     return weights, trainable, trainable
 ''',
+        "keeps the momentum in fp32 whatever the parameters' dtype": '''
+def predict_state_bytes(model):
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return weights, sum(p.numel() * p.element_size() for p in trainable), sum(p.numel() * 4 for p in trainable)
+''',
     },
     "exercise_2": {
         "forgets the step counters": '''
-def predict_adamw_state_bytes(model):
-    return sum(2 * p.numel() * 4 for p in model.parameters() if p.requires_grad)
+def predict_adamw_state_bytes(model, amsgrad):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return sum((3 if amsgrad else 2) * p.numel() * p.element_size() for p in trainable)
+''',
+        "assumes fp32 state whatever the parameters' dtype": '''
+def predict_adamw_state_bytes(model, amsgrad):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return sum((3 if amsgrad else 2) * p.numel() * 4 for p in trainable) + 4 * len(trainable)
+''',
+        "counts the frozen parameters too": '''
+def predict_adamw_state_bytes(model, amsgrad):
+    params = list(model.parameters())
+    return sum((3 if amsgrad else 2) * p.numel() * p.element_size() for p in params) + 4 * len(params)
+''',
+        "counts the tied weight twice, once per name in the state_dict": '''
+def predict_adamw_state_bytes(model, amsgrad):
+    frozen = {id(p) for p in model.parameters() if not p.requires_grad}
+    tensors = [t for name, t in model.state_dict(keep_vars=True).items() if id(t) not in frozen]
+    return sum((3 if amsgrad else 2) * t.numel() * t.element_size() for t in tensors) + 4 * len(tensors)
+''',
+        "forgets AMSGrad's third buffer": '''
+def predict_adamw_state_bytes(model, amsgrad):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return sum(2 * p.numel() * p.element_size() for p in trainable) + 4 * len(trainable)
 ''',
         "counts a step counter per element instead of per tensor": '''
-def predict_adamw_state_bytes(model):
-    return sum(3 * p.numel() * 4 for p in model.parameters() if p.requires_grad)
+def predict_adamw_state_bytes(model, amsgrad):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return sum((3 if amsgrad else 2) * p.numel() * p.element_size() + 4 * p.numel() for p in trainable)
+''',
+        "stores the step counter in the parameter's dtype": '''
+def predict_adamw_state_bytes(model, amsgrad):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return sum(((3 if amsgrad else 2) * p.numel() + 1) * p.element_size() for p in trainable)
 ''',
         "adds the weights to the optimizer's state": '''
-def predict_adamw_state_bytes(model):
+def predict_adamw_state_bytes(model, amsgrad):
     trainable = [p for p in model.parameters() if p.requires_grad]
-    return sum(3 * p.numel() * 4 for p in trainable) + 4 * len(trainable)
-''',
-        "counts one moment, as SGD with momentum would": '''
-def predict_adamw_state_bytes(model):
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return sum(p.numel() * 4 for p in trainable) + 4 * len(trainable)
+    return sum((4 if amsgrad else 3) * p.numel() * p.element_size() for p in trainable) + 4 * len(trainable)
 ''',
     },
 }

@@ -2,27 +2,47 @@
 
 WRONG = {
     "exercise_1": {
-        "divides each micro-batch's mean by the number of micro-batches (biased when they differ in size)": '''
-def accumulate(model, micro_batches):
-    for x, y in micro_batches:
-        (nn.functional.cross_entropy(model(x), y) / len(micro_batches)).backward()
+        "divides each micro-batch's weighted mean by the number of micro-batches": '''
+def accumulate_weighted(model, micro_batches, class_weights):
+    for inputs, labels in micro_batches:
+        (nn.functional.cross_entropy(model(inputs), labels, weight=class_weights) / len(micro_batches)).backward()
 ''',
-        "forgets to divide": '''
-def accumulate(model, micro_batches):
-    for x, y in micro_batches:
-        nn.functional.cross_entropy(model(x), y).backward()
+        "weights each piece's weighted mean by its share of the samples, not of the weights": '''
+def accumulate_weighted(model, micro_batches, class_weights):
+    total = sum(len(labels) for _, labels in micro_batches)
+    for inputs, labels in micro_batches:
+        (nn.functional.cross_entropy(model(inputs), labels, weight=class_weights) * len(labels) / total).backward()
 ''',
-        "sums the losses but divides by the number of micro-batches": '''
-def accumulate(model, micro_batches):
-    for x, y in micro_batches:
-        (nn.functional.cross_entropy(model(x), y, reduction="sum") / len(micro_batches)).backward()
+        "divides the weighted sum by the number of samples": '''
+def accumulate_weighted(model, micro_batches, class_weights):
+    total = sum(len(labels) for _, labels in micro_batches)
+    for inputs, labels in micro_batches:
+        (nn.functional.cross_entropy(model(inputs), labels, weight=class_weights, reduction="sum") / total).backward()
 ''',
-        "zeroes the gradients between micro-batches": '''
-def accumulate(model, micro_batches):
-    total = sum(len(y) for _, y in micro_batches)
-    for x, y in micro_batches:
-        model.zero_grad(set_to_none=True)
-        (nn.functional.cross_entropy(model(x), y, reduction="sum") / total).backward()
+        "divides by the sum of the class weights, not of the samples' weights": '''
+def accumulate_weighted(model, micro_batches, class_weights):
+    for inputs, labels in micro_batches:
+        summed = nn.functional.cross_entropy(model(inputs), labels, weight=class_weights, reduction="sum")
+        (summed / class_weights.sum()).backward()
+''',
+        "forgets the class weights: the plain mean over samples": '''
+def accumulate_weighted(model, micro_batches, class_weights):
+    total = sum(len(labels) for _, labels in micro_batches)
+    for inputs, labels in micro_batches:
+        (nn.functional.cross_entropy(model(inputs), labels, reduction="sum") / total).backward()
+''',
+        "forgets to divide: the weighted sums add up": '''
+def accumulate_weighted(model, micro_batches, class_weights):
+    for inputs, labels in micro_batches:
+        nn.functional.cross_entropy(model(inputs), labels, weight=class_weights, reduction="sum").backward()
+''',
+        "zeroes the gradients before each micro-batch, so only the last one counts": '''
+def accumulate_weighted(model, micro_batches, class_weights):
+    total_weight = sum(class_weights[labels].sum() for _, labels in micro_batches)
+    for inputs, labels in micro_batches:
+        model.zero_grad()
+        summed = nn.functional.cross_entropy(model(inputs), labels, weight=class_weights, reduction="sum")
+        (summed / total_weight).backward()
 ''',
     },
     "exercise_2": {
@@ -61,6 +81,14 @@ def replace_batchnorm(model):
         if isinstance(child, nn.BatchNorm2d):
             setattr(model, name, nn.GroupNorm(2, child.num_features))
     return model
+''',
+        "forgets to return the model": '''
+def replace_batchnorm(model):
+    for name, child in model.named_children():
+        if isinstance(child, nn.BatchNorm2d):
+            setattr(model, name, nn.GroupNorm(2, child.num_features))
+        else:
+            replace_batchnorm(child)
 ''',
     },
 }

@@ -41,22 +41,99 @@ def classify(value, dtype):
         return "underflow"
     return "subnormal" if value < info.tiny else "normal"
 ''',
+            "the smallest normal itself counted as subnormal (<= instead of <)": '''
+def classify(value, dtype):
+    info = torch.finfo(dtype)
+    top = 2.0 ** (math.floor(math.log2(info.max)) + 1)
+    if value >= top * (1 - info.eps / 4):
+        return "overflow"
+    if value <= info.tiny * info.eps / 2:
+        return "underflow"
+    return "subnormal" if value <= info.tiny else "normal"
+''',
+        "no subnormals: everything below the smallest normal flushes to zero": '''
+def classify(value, dtype):
+    info = torch.finfo(dtype)
+    top = 2.0 ** (math.floor(math.log2(info.max)) + 1)
+    if value >= top * (1 - info.eps / 4):
+        return "overflow"
+    if value < info.tiny:
+        return "underflow"
+    return "normal"
+''',
+        "takes finfo.min (the most negative value) for the smallest positive one": '''
+def classify(value, dtype):
+    info = torch.finfo(dtype)
+    top = 2.0 ** (math.floor(math.log2(info.max)) + 1)
+    if value >= top * (1 - info.eps / 4):
+        return "overflow"
+    if value <= abs(info.min) * info.eps / 2 and value < info.tiny:
+        return "underflow"
+    return "subnormal" if value < info.tiny else "normal"
+''',
     },
     "exercise_2": {
-        "no autocast and no scaler: a plain fp32 step with clipping": '''
-def scaled_step(model, optimizer, scaler, features, classes, max_norm):
-    loss = nn.functional.cross_entropy(model(features), classes)
-    loss.backward()
+        "divides each micro-batch's loss by the number of micro-batches: wrong for uneven ones": '''
+def accumulated_scaled_step(model, optimizer, scaler, micro_batches, max_norm):
+    for inputs, labels in micro_batches:
+        with torch.autocast(DEVICE.type, dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(inputs), labels)
+        scaler.scale(loss / len(micro_batches)).backward()
+    scaler.unscale_(optimizer)
     norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    optimizer.step()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+''',
+        "adds the micro-batch losses up without weighting them": '''
+def accumulated_scaled_step(model, optimizer, scaler, micro_batches, max_norm):
+    for inputs, labels in micro_batches:
+        with torch.autocast(DEVICE.type, dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(inputs), labels)
+        scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+''',
+        "unscale_ after every micro-batch": '''
+def accumulated_scaled_step(model, optimizer, scaler, micro_batches, max_norm):
+    total_rows = sum(len(labels) for _, labels in micro_batches)
+    for inputs, labels in micro_batches:
+        with torch.autocast(DEVICE.type, dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(inputs), labels)
+        scaler.scale(loss * len(labels) / total_rows).backward()
+        scaler.unscale_(optimizer)
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+''',
+        "update() after every micro-batch": '''
+def accumulated_scaled_step(model, optimizer, scaler, micro_batches, max_norm):
+    total_rows = sum(len(labels) for _, labels in micro_batches)
+    for inputs, labels in micro_batches:
+        with torch.autocast(DEVICE.type, dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(inputs), labels)
+        scaler.scale(loss * len(labels) / total_rows).backward()
+        scaler.update()
+    scaler.unscale_(optimizer)
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
     optimizer.zero_grad(set_to_none=True)
     return norm
 ''',
         "clips before unscale_: the threshold meets the scaled gradients": '''
-def scaled_step(model, optimizer, scaler, features, classes, max_norm):
-    with torch.autocast(DEVICE.type, dtype=torch.float16):
-        loss = nn.functional.cross_entropy(model(features), classes)
-    scaler.scale(loss).backward()
+def accumulated_scaled_step(model, optimizer, scaler, micro_batches, max_norm):
+    total_rows = sum(len(labels) for _, labels in micro_batches)
+    for inputs, labels in micro_batches:
+        with torch.autocast(DEVICE.type, dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(inputs), labels)
+        scaler.scale(loss * len(labels) / total_rows).backward()
     norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     scaler.unscale_(optimizer)
     scaler.step(optimizer)
@@ -64,58 +141,58 @@ def scaled_step(model, optimizer, scaler, features, classes, max_norm):
     optimizer.zero_grad(set_to_none=True)
     return norm
 ''',
-        "never unscales: scaler.step unscales after the clipping": '''
-def scaled_step(model, optimizer, scaler, features, classes, max_norm):
-    with torch.autocast(DEVICE.type, dtype=torch.float16):
-        loss = nn.functional.cross_entropy(model(features), classes)
-    scaler.scale(loss).backward()
-    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return norm
-''',
-        "measures the norm but never clips": '''
-def scaled_step(model, optimizer, scaler, features, classes, max_norm):
-    with torch.autocast(DEVICE.type, dtype=torch.float16):
-        loss = nn.functional.cross_entropy(model(features), classes)
-    scaler.scale(loss).backward()
+        "optimizer.step() instead of scaler.step(): an overflowing step is taken": '''
+def accumulated_scaled_step(model, optimizer, scaler, micro_batches, max_norm):
+    total_rows = sum(len(labels) for _, labels in micro_batches)
+    for inputs, labels in micro_batches:
+        with torch.autocast(DEVICE.type, dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(inputs), labels)
+        scaler.scale(loss * len(labels) / total_rows).backward()
     scaler.unscale_(optimizer)
-    norm = nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return norm
-''',
-        "autocast without the scaler": '''
-def scaled_step(model, optimizer, scaler, features, classes, max_norm):
-    with torch.autocast(DEVICE.type, dtype=torch.float16):
-        loss = nn.functional.cross_entropy(model(features), classes)
-    loss.backward()
     norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
+    scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return norm
 ''',
-        "forgets scaler.update()": '''
-def scaled_step(model, optimizer, scaler, features, classes, max_norm):
-    with torch.autocast(DEVICE.type, dtype=torch.float16):
-        loss = nn.functional.cross_entropy(model(features), classes)
-    scaler.scale(loss).backward()
+        "zero_grad inside the loop: only the last micro-batch's gradient is left": '''
+def accumulated_scaled_step(model, optimizer, scaler, micro_batches, max_norm):
+    total_rows = sum(len(labels) for _, labels in micro_batches)
+    for inputs, labels in micro_batches:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(DEVICE.type, dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(inputs), labels)
+        scaler.scale(loss * len(labels) / total_rows).backward()
     scaler.unscale_(optimizer)
     norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+''',
+        "no autocast: the scaler alone does not make the forward fp16": '''
+def accumulated_scaled_step(model, optimizer, scaler, micro_batches, max_norm):
+    total_rows = sum(len(labels) for _, labels in micro_batches)
+    for inputs, labels in micro_batches:
+        loss = nn.functional.cross_entropy(model(inputs), labels)
+        scaler.scale(loss * len(labels) / total_rows).backward()
+    scaler.unscale_(optimizer)
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return norm
 ''',
         "returns the norm after clipping": '''
-def scaled_step(model, optimizer, scaler, features, classes, max_norm):
-    with torch.autocast(DEVICE.type, dtype=torch.float16):
-        loss = nn.functional.cross_entropy(model(features), classes)
-    scaler.scale(loss).backward()
+def accumulated_scaled_step(model, optimizer, scaler, micro_batches, max_norm):
+    total_rows = sum(len(labels) for _, labels in micro_batches)
+    for inputs, labels in micro_batches:
+        with torch.autocast(DEVICE.type, dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(inputs), labels)
+        scaler.scale(loss * len(labels) / total_rows).backward()
     scaler.unscale_(optimizer)
     nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    norm = nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    norm = torch.stack([p.grad.norm() for p in model.parameters()]).norm()
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)

@@ -27,11 +27,58 @@ def leaky_fixed(x):
     peak = y.abs().max()
     return torch.nn.functional.leaky_relu(torch.where(peak > 1, y / peak, y))
 ''',
+            "compares element by element: only the elements above 1 are divided": '''
+def leaky_fixed(x):
+    y = x * 3
+    return torch.nn.functional.leaky_relu(torch.where(y > 1, y / y.max(), y))
+''',
+        "tests x's peak instead of y's (x * 3)": '''
+def leaky_fixed(x):
+    y = x * 3
+    peak = y.max()
+    return torch.nn.functional.leaky_relu(torch.where(x.max() > 1, y / peak, y))
+''',
+        "float() of the peak: a Python number again, a graph break": '''
+def leaky_fixed(x):
+    y = x * 3
+    peak = float(y.max())
+    return torch.nn.functional.leaky_relu(y / peak if peak > 1 else y)
+''',
+        "relu instead of leaky_relu": '''
+def leaky_fixed(x):
+    y = x * 3
+    peak = y.max()
+    return torch.relu(torch.where(peak > 1, y / peak, y))
+''',
     },
     "exercise_2": {
-        "every call compiles again": "predicted_compilations = [1, 2, 3, 4, 5]\n",
-        "no automatic dynamic shapes: each new length compiles": "predicted_compilations = [1, 1, 2, 3, 4]\n",
-        "the guard checks only shapes, not the dtype": "predicted_compilations = [1, 1, 2, 2, 2]\n",
-        "dynamic from the first call: only the dtype recompiles": "predicted_compilations = [1, 1, 1, 1, 2]\n",
+        "the default: static first, dynamic only after a second shape": '''
+def compile_for_variable_shapes(model, backend):
+    return torch.compile(model, backend=backend)
+''',
+        "dynamic=False: every shape compiles": '''
+def compile_for_variable_shapes(model, backend):
+    return torch.compile(model, backend=backend, dynamic=False)
+''',
+        "fullgraph=True: no graph breaks, but still one compilation per new kind of shape": '''
+def compile_for_variable_shapes(model, backend):
+    return torch.compile(model, backend=backend, fullgraph=True)
+''',
+        "marks only the length dynamic: the short last batch recompiles": '''
+def compile_for_variable_shapes(model, backend):
+    compiled = torch.compile(model, backend=backend)
+    def run(tokens):
+        torch._dynamo.mark_dynamic(tokens, 1)
+        return compiled(tokens)
+    return run
+''',
+        "returns the model uncompiled": '''
+def compile_for_variable_shapes(model, backend):
+    return model
+''',
+        "ignores the backend it is given": '''
+def compile_for_variable_shapes(model, backend):
+    return torch.compile(model, backend="eager", dynamic=True)
+''',
     },
 }

@@ -58,6 +58,40 @@ def slowest_part(prof, names):
     totals = {entry.key: entry.self_cpu_time_total for entry in prof.key_averages() if entry.key in names}
     return max(totals, key=totals.get)
 ''',
+        "records only one active step": '''
+def profile_parts(parts, active_steps):
+    part_schedule = schedule(wait=0, warmup=1, active=1, repeat=1)
+    with profile(activities=[ProfilerActivity.CPU], schedule=part_schedule) as part_prof:
+        for _ in range(1 + active_steps):
+            for name, part in parts.items():
+                with record_function(name):
+                    part()
+            part_prof.step()
+    return part_prof
+''' + _SLOWEST_BY_TOTAL,
+        "runs only active_steps steps, so the warm-up takes one of them": '''
+def profile_parts(parts, active_steps):
+    part_schedule = schedule(wait=0, warmup=1, active=active_steps, repeat=1)
+    with profile(activities=[ProfilerActivity.CPU], schedule=part_schedule) as part_prof:
+        for _ in range(active_steps):
+            for name, part in parts.items():
+                with record_function(name):
+                    part()
+            part_prof.step()
+    return part_prof
+''' + _SLOWEST_BY_TOTAL,
+        "takes the largest row of the whole table, not only the parts": _PROFILE_WITH_WARMUP + '''
+
+def slowest_part(prof, names):
+    totals = {entry.key: entry.cpu_time_total for entry in prof.key_averages()}
+    return max(totals, key=totals.get)
+''',
+        "returns the fastest part": _PROFILE_WITH_WARMUP + '''
+
+def slowest_part(prof, names):
+    totals = {entry.key: entry.cpu_time_total for entry in prof.key_averages() if entry.key in names}
+    return min(totals, key=totals.get)
+''',
     },
     "exercise_2": {
         "ignores the frozen layers: section 1's count, backward = 2 x forward less the first layer's input gradient": '''
@@ -97,6 +131,32 @@ def predict_step_flops(widths, batch, frozen):
             total += matmul
         if any(earlier not in frozen for earlier in range(index)):
             total += matmul
+    return total
+''',
+        "counts the forward pass only": '''
+def predict_step_flops(widths, batch, frozen):
+    return sum(2 * batch * a * b for a, b in zip(widths, widths[1:]))
+''',
+        "adds the bias additions to each addmm": '''
+def predict_step_flops(widths, batch, frozen):
+    total = 0
+    for index, (a, b) in enumerate(zip(widths, widths[1:])):
+        matmul = 2 * batch * a * b
+        total += matmul + batch * b
+        if index not in frozen:
+            total += matmul
+        if any(earlier not in frozen for earlier in range(index)):
+            total += matmul
+    return total
+''',
+        "gives the first layer an input gradient too, though the input needs none": '''
+def predict_step_flops(widths, batch, frozen):
+    total = 0
+    for index, (a, b) in enumerate(zip(widths, widths[1:])):
+        matmul = 2 * batch * a * b
+        total += matmul
+        if index not in frozen:
+            total += 2 * matmul
     return total
 ''',
     },

@@ -34,7 +34,32 @@ def evaluate_fixed(eval_model, eval_batches):
             total_loss += mse_loss(eval_model(batch), batch_targets).item()
     return total_loss
 ''',
+            "no_grad around the loss only: the model's forward still records its graph": '''
+def evaluate_fixed(eval_model, eval_batches):
+    total_loss = 0.0
+    for batch, batch_targets in eval_batches:
+        output = eval_model(batch)
+        with torch.no_grad():
+            total_loss += mse_loss(output, batch_targets).item()
+    return total_loss / len(eval_batches)
+''',
+        "returns the last batch's loss, not the mean": '''
+def evaluate_fixed(eval_model, eval_batches):
+    with torch.inference_mode():
+        for batch, batch_targets in eval_batches:
+            last_loss = mse_loss(eval_model(batch), batch_targets).item()
+    return last_loss
+''',
+        "divides by the number of samples, not of batches": '''
+def evaluate_fixed(eval_model, eval_batches):
+    total_loss = 0.0
+    with torch.inference_mode():
+        for batch, batch_targets in eval_batches:
+            total_loss += mse_loss(eval_model(batch), batch_targets).item()
+    return total_loss / sum(len(batch) for batch, _ in eval_batches)
+''',
     },
+
     "exercise_2": {
         "in-place saves one activation per layer: the peak is the end of forward plus one more activation": '''
 def predict_forward_peak_bytes(batch, widths, inplace):
@@ -72,58 +97,81 @@ def predict_forward_peak_bytes(batch, widths, inplace):
         candidates = [sum(hidden[:k]) + 2 * hidden[k] for k in range(len(hidden))]
     return 4 * batch * (widths[0] + max(candidates + [end_of_forward]))
 ''',
+            "adds the moments up instead of taking the largest": '''
+def predict_forward_peak_bytes(batch, widths, inplace):
+    hidden = widths[1:-1]
+    end_of_forward = sum(hidden) + widths[-1]
+    if inplace:
+        candidates = [sum(hidden[:k + 1]) for k in range(len(hidden))]
+    else:
+        candidates = [sum(hidden[:k]) + 2 * hidden[k] for k in range(len(hidden))]
+    return 4 * batch * max(sum(candidates), end_of_forward)
+''',
     },
+
     "exercise_3": {
-        "steps in the hook but never frees the gradient": '''
-def attach_sgd_in_backward(sgd_model, lr, momentum):
-    sgd_optimizers = {p: torch.optim.SGD([p], lr=lr, momentum=momentum) for p in sgd_model.parameters()}
-
-    def sgd_step(param):
+        "no clipping: a plain step in the hook": '''
+def attach_clipped_sgd_in_backward(sgd_model, lr, momentum, max_norm):
+    sgd_optimizers = {p: torch.optim.SGD([p], lr=lr, momentum=momentum) for p in sgd_model.parameters() if p.requires_grad}
+    def clip_step_and_free(param):
         sgd_optimizers[param].step()
-
-    return [p.register_post_accumulate_grad_hook(sgd_step) for p in sgd_model.parameters()]
+        sgd_optimizers[param].zero_grad(set_to_none=True)
+    return [p.register_post_accumulate_grad_hook(clip_step_and_free) for p in sgd_optimizers]
 ''',
-        "zero_grad(set_to_none=False): a zeroed gradient still occupies its memory": '''
-def attach_sgd_in_backward(sgd_model, lr, momentum):
-    sgd_optimizers = {p: torch.optim.SGD([p], lr=lr, momentum=momentum) for p in sgd_model.parameters()}
-
-    def sgd_step_and_zero(param):
+        "clips after the step": '''
+def attach_clipped_sgd_in_backward(sgd_model, lr, momentum, max_norm):
+    sgd_optimizers = {p: torch.optim.SGD([p], lr=lr, momentum=momentum) for p in sgd_model.parameters() if p.requires_grad}
+    def clip_step_and_free(param):
         sgd_optimizers[param].step()
-        sgd_optimizers[param].zero_grad(set_to_none=False)
-
-    return [p.register_post_accumulate_grad_hook(sgd_step_and_zero) for p in sgd_model.parameters()]
+        nn.utils.clip_grad_norm_([param], max_norm)
+        sgd_optimizers[param].zero_grad(set_to_none=True)
+    return [p.register_post_accumulate_grad_hook(clip_step_and_free) for p in sgd_optimizers]
 ''',
-        "register_hook runs before the gradient is accumulated into .grad: the step finds no gradient": '''
-def attach_sgd_in_backward(sgd_model, lr, momentum):
-    handles = []
-    for p in sgd_model.parameters():
-        optimizer = torch.optim.SGD([p], lr=lr, momentum=momentum)
-
-        def early_step(grad, optimizer=optimizer):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        handles.append(p.register_hook(early_step))
-    return handles
+        "hooks on every parameter, the frozen table too": '''
+def attach_clipped_sgd_in_backward(sgd_model, lr, momentum, max_norm):
+    sgd_optimizers = {p: torch.optim.SGD([p], lr=lr, momentum=momentum) for p in sgd_model.parameters()}
+    def clip_step_and_free(param):
+        nn.utils.clip_grad_norm_([param], max_norm)
+        sgd_optimizers[param].step()
+        sgd_optimizers[param].zero_grad(set_to_none=True)
+    return [p.register_post_accumulate_grad_hook(clip_step_and_free) for p in sgd_optimizers]
+''',
+        "steps and clips but never frees the gradient": '''
+def attach_clipped_sgd_in_backward(sgd_model, lr, momentum, max_norm):
+    sgd_optimizers = {p: torch.optim.SGD([p], lr=lr, momentum=momentum) for p in sgd_model.parameters() if p.requires_grad}
+    def clip_step_and_free(param):
+        nn.utils.clip_grad_norm_([param], max_norm)
+        sgd_optimizers[param].step()
+    return [p.register_post_accumulate_grad_hook(clip_step_and_free) for p in sgd_optimizers]
 ''',
         "a fresh optimizer inside the hook at every step: the momentum buffer is lost": '''
-def attach_sgd_in_backward(sgd_model, lr, momentum):
-    def sgd_step_and_free(param):
+def attach_clipped_sgd_in_backward(sgd_model, lr, momentum, max_norm):
+    def clip_step_and_free(param):
+        nn.utils.clip_grad_norm_([param], max_norm)
         optimizer = torch.optim.SGD([param], lr=lr, momentum=momentum)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-
-    return [p.register_post_accumulate_grad_hook(sgd_step_and_free) for p in sgd_model.parameters()]
+    return [p.register_post_accumulate_grad_hook(clip_step_and_free) for p in sgd_model.parameters() if p.requires_grad]
 ''',
-        "hooks only on the weight matrices: the biases are never updated": '''
-def attach_sgd_in_backward(sgd_model, lr, momentum):
-    sgd_optimizers = {p: torch.optim.SGD([p], lr=lr, momentum=momentum) for p in sgd_model.parameters()}
-
-    def sgd_step_and_free(param):
+        "clips by value, not by norm": '''
+def attach_clipped_sgd_in_backward(sgd_model, lr, momentum, max_norm):
+    sgd_optimizers = {p: torch.optim.SGD([p], lr=lr, momentum=momentum) for p in sgd_model.parameters() if p.requires_grad}
+    def clip_step_and_free(param):
+        nn.utils.clip_grad_value_([param], max_norm)
         sgd_optimizers[param].step()
         sgd_optimizers[param].zero_grad(set_to_none=True)
-
-    return [p.register_post_accumulate_grad_hook(sgd_step_and_free) for p in sgd_model.parameters() if p.dim() > 1]
+    return [p.register_post_accumulate_grad_hook(clip_step_and_free) for p in sgd_optimizers]
+''',
+        "register_hook runs before the gradient is accumulated into .grad: the step finds no gradient": '''
+def attach_clipped_sgd_in_backward(sgd_model, lr, momentum, max_norm):
+    sgd_optimizers = {p: torch.optim.SGD([p], lr=lr, momentum=momentum) for p in sgd_model.parameters() if p.requires_grad}
+    def make_hook(param):
+        def clip_step_and_free(grad):
+            nn.utils.clip_grad_norm_([param], max_norm)
+            sgd_optimizers[param].step()
+            sgd_optimizers[param].zero_grad(set_to_none=True)
+        return clip_step_and_free
+    return [p.register_hook(make_hook(p)) for p in sgd_optimizers]
 ''',
     },
 }

@@ -52,6 +52,52 @@ def predict_bf16_saved_bytes(batch, heads, seq_len, head_dim, kernel):
         return 3 * vectors * 4 + scores * 4
     return 4 * vectors * 2 + batch * heads * seq_len * 4
 ''',
+        "calls utils.attention_saved_bytes (the helper that computes the answer)": '''
+def predict_bf16_saved_bytes(batch, heads, seq_len, head_dim, kernel):
+    return utils.attention_saved_bytes(batch, heads, seq_len, head_dim, dtype=torch.bfloat16, kernel=kernel)
+''',
+        "measures a call with utils.track_saved_tensors instead of predicting": '''
+def predict_bf16_saved_bytes(batch, heads, seq_len, head_dim, kernel):
+    q, k, v = (torch.randn(batch, heads, seq_len, head_dim, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    with utils.track_saved_tensors() as saved:
+        if kernel == "naive":
+            naive_attention(q, k, v)
+        else:
+            with sdpa_kernel(SDPBackend.MATH if kernel == "math" else SDPBackend.FLASH_ATTENTION):
+                sdpa_attention(q, k, v)
+    return saved.bytes
+''',
+        "flash: one log-sum-exp per head, not one per query row": '''
+def predict_bf16_saved_bytes(batch, heads, seq_len, head_dim, kernel):
+    vectors = batch * heads * seq_len * head_dim
+    scores = batch * heads * seq_len * seq_len
+    if kernel == "naive":
+        return 3 * vectors * 2 + scores * 2 + seq_len * seq_len
+    if kernel == "math":
+        return 3 * vectors * 4 + scores * 4
+    return 4 * vectors * 2 + batch * heads * 4
+''',
+        "the naive attention's boolean mask counted at 2 bytes per element, like the bf16 scores": '''
+def predict_bf16_saved_bytes(batch, heads, seq_len, head_dim, kernel):
+    vectors = batch * heads * seq_len * head_dim
+    scores = batch * heads * seq_len * seq_len
+    if kernel == "naive":
+        return 3 * vectors * 2 + scores * 2 + seq_len * seq_len * 2
+    if kernel == "math":
+        return 3 * vectors * 4 + scores * 4
+    return 4 * vectors * 2 + batch * heads * seq_len * 4
+''',
+        "math: only the probabilities upcast to fp32, q, k and v kept in bf16": '''
+def predict_bf16_saved_bytes(batch, heads, seq_len, head_dim, kernel):
+    vectors = batch * heads * seq_len * head_dim
+    scores = batch * heads * seq_len * seq_len
+    if kernel == "naive":
+        return 3 * vectors * 2 + scores * 2 + seq_len * seq_len
+    if kernel == "math":
+        return 3 * vectors * 2 + scores * 4
+    return 4 * vectors * 2 + batch * heads * seq_len * 4
+''',
     },
     "exercise_2": {
         "plain causal: no document boundaries (the pitfall)": '''
@@ -87,6 +133,36 @@ def mask_from_positions(position_ids):
 def mask_from_positions(position_ids):
     allowed = position_ids[None, :] <= position_ids[:, None]
     size = len(position_ids)
+    return torch.zeros(size, size).masked_fill(~allowed, float("-inf"))
+''',
+        "a boolean mask, True where attention is allowed (the graded cell asks for SDPA's float mask)": '''
+def mask_from_positions(position_ids):
+    document = (position_ids == 0).cumsum(dim=0)
+    size = len(position_ids)
+    causal = torch.ones(size, size, dtype=torch.bool).tril()
+    return (document[:, None] == document[None, :]) & causal
+''',
+        "1 where allowed and 0 elsewhere (an additive mask needs 0 and -inf)": '''
+def mask_from_positions(position_ids):
+    document = (position_ids == 0).cumsum(dim=0)
+    size = len(position_ids)
+    causal = torch.ones(size, size, dtype=torch.bool).tril()
+    return ((document[:, None] == document[None, :]) & causal).float()
+''',
+        "triu instead of tril: a token sees the later tokens of its document, not the earlier": '''
+def mask_from_positions(position_ids):
+    document = (position_ids == 0).cumsum(dim=0)
+    size = len(position_ids)
+    causal = torch.ones(size, size, dtype=torch.bool).triu()
+    allowed = (document[:, None] == document[None, :]) & causal
+    return torch.zeros(size, size).masked_fill(~allowed, float("-inf"))
+''',
+        "documents compared with >=: a token also sees every earlier document": '''
+def mask_from_positions(position_ids):
+    document = (position_ids == 0).cumsum(dim=0)
+    size = len(position_ids)
+    causal = torch.ones(size, size, dtype=torch.bool).tril()
+    allowed = (document[:, None] >= document[None, :]) & causal
     return torch.zeros(size, size).masked_fill(~allowed, float("-inf"))
 ''',
     },

@@ -53,6 +53,43 @@ def zero1_update(models, optimizers):
     for optimizer in optimizers:
         optimizer.step()
 ''',
+        "broadcasts everything from rank 0 (not each parameter from its owner): rank 1's updates are lost":
+            _BALANCED + '''
+def zero1_update(models, optimizers):
+    for optimizer in optimizers:
+        optimizer.step()
+    with torch.no_grad():
+        for source, *replicas in zip(*(model.parameters() for model in models)):
+            for replica in replicas:
+                replica.copy_(source)
+''',
+        "averages the replicas' weights after stepping (an all-reduce of weights, not a broadcast)": _BALANCED + '''
+def zero1_update(models, optimizers):
+    for optimizer in optimizers:
+        optimizer.step()
+    with torch.no_grad():
+        for parameters in zip(*(model.parameters() for model in models)):
+            average = sum(p.detach().clone() for p in parameters) / len(parameters)
+            for parameter in parameters:
+                parameter.copy_(average)
+''',
+        "the learning rate scaled by the number of ranks (the gradients are averaged already)": '''
+def zero1_optimizers(models):
+    sizes = {name: p.numel() for name, p in models[0].named_parameters()}
+    shares, loads = [[] for _ in models], [0] * len(models)
+    for name in sorted(sizes, key=sizes.get, reverse=True):
+        rank = loads.index(min(loads))
+        shares[rank].append(name)
+        loads[rank] += sizes[name]
+    return [torch.optim.AdamW([dict(model.named_parameters())[n] for n in share], lr=LEARNING_RATE * len(models),
+                              foreach=False) for model, share in zip(models, shares)]
+''' + _UPDATE,
+        "round-robin over the names sorted alphabetically (every bias on rank 0, every weight on rank 1)": '''
+def zero1_optimizers(models):
+    names = sorted(name for name, _ in models[0].named_parameters())
+    return [torch.optim.AdamW([dict(model.named_parameters())[n] for n in names[rank::len(models)]],
+                              lr=LEARNING_RATE, foreach=False) for rank, model in enumerate(models)]
+''' + _UPDATE,
     },
     "exercise_2": {
         "broadcasts from the last rank (the replicas agree, on rank 1's initial weights)": '''
@@ -83,6 +120,35 @@ def broadcast_from_rank0(models):
             average = sum(p.detach().clone() for p in parameters) / len(parameters)
             for parameter in parameters:
                 parameter.copy_(average)
+''',
+        "copies without torch.no_grad (an in-place change of a leaf that requires grad)": '''
+def broadcast_from_rank0(models):
+    for source, *replicas in zip(*(model.parameters() for model in models)):
+        for replica in replicas:
+            replica.copy_(source)
+''',
+        "adds rank 0's weights to the replica's instead of copying them": '''
+def broadcast_from_rank0(models):
+    with torch.no_grad():
+        for source, *replicas in zip(*(model.parameters() for model in models)):
+            for replica in replicas:
+                replica.add_(source)
+''',
+        "swaps the two replicas' weights (they still differ)": '''
+def broadcast_from_rank0(models):
+    with torch.no_grad():
+        for first, second in zip(models[0].parameters(), models[1].parameters()):
+            kept = first.detach().clone()
+            first.copy_(second)
+            second.copy_(kept)
+''',
+        "stops after the first tensor (a return inside the loop)": '''
+def broadcast_from_rank0(models):
+    with torch.no_grad():
+        for source, *replicas in zip(*(model.parameters() for model in models)):
+            for replica in replicas:
+                replica.copy_(source)
+            return
 ''',
     },
 }

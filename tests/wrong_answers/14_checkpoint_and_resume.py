@@ -31,6 +31,39 @@ def repair(checkpoint):
     repaired["position"] = {"step": step, "epoch": epoch, "batch": batch}
     return repaired
 ''',
+        "takes the step from AdamW's counter, which lags when the GradScaler skipped steps (the hint's trap)": '''
+def repair(checkpoint):
+    repaired = copy.deepcopy(checkpoint)
+    step = int(repaired["optimizer"]["state"][0]["step"])
+    epoch, batch = divmod(step, NUM_SAMPLES // BATCH_SIZE)
+    repaired["position"] = {"step": step, "epoch": epoch, "batch": batch}
+    return repaired
+''',
+        "takes the scheduler's _step_count, which its constructor's first step() made one too many": '''
+def repair(checkpoint):
+    repaired = copy.deepcopy(checkpoint)
+    step = repaired["scheduler"]["_step_count"]
+    epoch, batch = divmod(step, NUM_SAMPLES // BATCH_SIZE)
+    repaired["position"] = {"step": step, "epoch": epoch, "batch": batch}
+    return repaired
+''',
+        "advances the batch by one but never wraps it into the next epoch": '''
+def repair(checkpoint):
+    repaired = copy.deepcopy(checkpoint)
+    step = repaired["scheduler"]["last_epoch"]
+    if step != repaired["position"]["step"]:
+        repaired["position"] = {"step": step, "epoch": repaired["position"]["epoch"],
+                                "batch": repaired["position"]["batch"] + 1}
+    return repaired
+''',
+        "guesses from the position alone: adds one step unless the batch is 0": '''
+def repair(checkpoint):
+    repaired = copy.deepcopy(checkpoint)
+    step = repaired["position"]["step"] + 1 if repaired["position"]["batch"] != 0 else repaired["position"]["step"]
+    epoch, batch = divmod(step, NUM_SAMPLES // BATCH_SIZE)
+    repaired["position"] = {"step": step, "epoch": epoch, "batch": batch}
+    return repaired
+''',
     },
     "exercise_2": {
         "sorts the file names as text: step-9 comes after step-13": '''

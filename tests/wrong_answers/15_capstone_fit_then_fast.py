@@ -1,46 +1,63 @@
 """Wrong answers to notebook 15's exercises: each replaces the solution cell, and the graded cell must fail on it."""
 
 _MODEL_CHECKPOINTED = '''
-def my_model_and_optimizer():
-    model = build_transformer()
-    model.blocks = nn.Sequential(*(CheckpointedBlock(block) for block in model.blocks))
-    return model, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
+def llama_model_and_optimizer():
+    return build_recipe(build_llama, checkpointed=True, blocks=LLAMA_OPTIONS["blocks"])
 '''
 
 _MODEL_PLAIN = '''
-def my_model_and_optimizer():
-    model = build_transformer()
-    return model, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
+def llama_model_and_optimizer():
+    return build_recipe(build_llama, checkpointed=False)
 '''
 
 
-def _step(micro_batches="ACCUMULATION_STEPS", dtype="AMP_DTYPE", weight="* len(micro_inputs) / len(inputs)",
-          zero_inside="", zero_after="    optimizer.zero_grad(set_to_none=True)\n"):
+def _recipe_step(micro_batches="math.ceil(len(labels) / llama_fits)", dtype="AMP_DTYPE",
+                 options="loss_sum=llama_loss_sum, count=llama_count"):
     return f'''
-def my_step(model, optimizer, scaler, inputs, targets):
-    for micro_inputs, micro_targets in zip(inputs.chunk({micro_batches}), targets.chunk({micro_batches})):
-{zero_inside}        with torch.autocast(DEVICE.type, dtype={dtype}, enabled={dtype} != torch.float32):
-            loss = token_loss(model(micro_inputs), micro_targets) {weight}
-        scaler.scale(loss).backward()
-    scaler.step(optimizer)
-    scaler.update()
-{zero_after}'''
+def llama_step(model, optimizer, scaler, inputs, labels):
+    micro_batches = {micro_batches}
+    return train_step(model, optimizer, scaler, inputs, labels, micro_batches, {dtype}, {options})
+'''
 
+
+def _own_loop(weight, scale="scaler.scale(loss).backward()", step="scaler.step(optimizer)\n    scaler.update()",
+              free="    optimizer.zero_grad(set_to_none=True)\n"):
+    return f'''
+def llama_step(model, optimizer, scaler, inputs, labels):
+    pieces = math.ceil(len(labels) / llama_fits)
+    num_targets = llama_count(labels)
+    for micro_inputs, micro_labels in zip(split_batch(inputs, pieces), split_batch(labels, pieces)):
+        with torch.autocast(DEVICE.type, dtype=AMP_DTYPE):
+            loss = {weight}
+        {scale}
+    {step}
+{free}'''
+
+
+_SUM_OVER_COUNT = "llama_loss_sum(model(**micro_inputs), micro_labels) / num_targets"
 
 WRONG = {
     "exercise_1": {
-        "the loss of each micro-batch is not divided (the gradients add up to ACCUMULATION_STEPS times the batch's)":
-            _MODEL_CHECKPOINTED + _step(weight=""),
-        "zero_grad inside the micro-batch loop (only the last micro-batch's gradient reaches the optimizer)":
-            _MODEL_CHECKPOINTED + _step(zero_inside="        optimizer.zero_grad(set_to_none=True)\n"),
+        "weights each piece's mean loss by its share of the sequences (wrong with padding and unequal pieces)":
+            _MODEL_CHECKPOINTED + _own_loop("llama_loss_sum(model(**micro_inputs), micro_labels) / llama_count(micro_labels)"
+                                            " * len(micro_labels) / len(labels)"),
+        "counts every label that is not padding, the first of each row too (the model shifts them)":
+            _MODEL_CHECKPOINTED + _recipe_step(
+                options="loss_sum=llama_loss_sum, count=lambda labels: (labels != IGNORE_INDEX).sum()"),
+        "uses the recipe's default loss, which does not shift the labels":
+            _MODEL_CHECKPOINTED + _recipe_step(
+                options="loss_sum=lambda outputs, labels: token_loss_sum(outputs.logits, labels), count=count_targets"),
+        "backward on the unscaled loss: scaler.step then divides the gradients by the scale":
+            _MODEL_CHECKPOINTED + _own_loop(_SUM_OVER_COUNT, scale="loss.backward()"),
+        "steps the optimizer directly: an overflowing step is not skipped":
+            _MODEL_CHECKPOINTED + _own_loop(_SUM_OVER_COUNT, scale="loss.backward()",
+                                            step="optimizer.step()"),
         "the gradients are not freed after the update":
-            _MODEL_CHECKPOINTED + _step(zero_after=""),
-        "autocast without checkpointing (the micro-batch does not fit)":
-            _MODEL_PLAIN + _step(),
-        "checkpointing in fp32, no autocast (the micro-batch does not fit)":
-            _MODEL_CHECKPOINTED + _step(dtype="torch.float32"),
-        "fp32 in four times as many micro-batches (fits, but not in ACCUMULATION_STEPS passes)":
-            _MODEL_PLAIN + _step(micro_batches="4 * ACCUMULATION_STEPS", dtype="torch.float32"),
+            _MODEL_CHECKPOINTED + _own_loop(_SUM_OVER_COUNT, free=""),
+        "autocast without checkpointing: the pieces do not fit the budget":
+            _MODEL_PLAIN + _recipe_step(),
+        "checkpointing in fp32, no autocast: the pieces do not fit the budget":
+            _MODEL_CHECKPOINTED + _recipe_step(dtype="torch.float32"),
     },
     "exercise_2": {
         "keeps the last error to report it (its traceback holds the failed step's tensors)": '''
@@ -93,6 +110,47 @@ def find_executable_batch_size(step, model, start):
         model.zero_grad(set_to_none=True)
         gc.collect()
     raise RuntimeError("nothing fits")
+''',
+        "keeps the gradients a failed backward left: the next try adds to them": '''
+def find_executable_batch_size(step, model, start):
+    size = start
+    while size >= 1:
+        try:
+            step(size)
+            return size
+        except torch.OutOfMemoryError:
+            pass
+        gc.collect()
+        size //= 2
+    raise RuntimeError("nothing fits")
+''',
+        "catches every exception: a bug in the step is retried as if it were out of memory": '''
+def find_executable_batch_size(step, model, start):
+    size = start
+    while size >= 1:
+        try:
+            step(size)
+            return size
+        except Exception:
+            pass
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        size //= 2
+    raise RuntimeError("nothing fits")
+''',
+        "returns 0 when not even batch size 1 fits, as if 0 were a batch size": '''
+def find_executable_batch_size(step, model, start):
+    size = start
+    while size >= 1:
+        try:
+            step(size)
+            return size
+        except torch.OutOfMemoryError:
+            pass
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        size //= 2
+    return size
 ''',
     },
 }

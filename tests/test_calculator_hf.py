@@ -1,0 +1,158 @@
+"""The calculator on the reader's own model: transformers configs, peft's LoRA, measured against the real thing."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from utils import calculator as C
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PUBLISHED = {"llama-3.2-1b": 1_235_814_400, "llama-2-7b": 6_738_415_616, "llama-2-13b": 13_015_864_320,
+             "llama-2-70b": 68_976_648_192, "mistral-7b": 7_241_732_096, "qwen2.5-7b": 7_615_616_512,
+             "gpt2": 124_439_808}
+
+
+@pytest.mark.parametrize("name,count", sorted(PUBLISHED.items()))
+def test_shipped_configs_have_the_published_parameter_counts_and_name_their_source(name, count):
+    assert C.count_parameters(C.model_config_from_hf(name)) == count
+    fields = C.load_hf_config(name, as_dict=True)
+    assert "config.json of" in fields["_source"], f"{name}: the shipped config names where it comes from"
+
+
+def test_presets_are_the_shipped_configs():
+    for key, (config, _) in C.presets.PRESET_CONFIGS.items():
+        hf = C.model_config_from_hf(config)
+        assert C.count_parameters(C.PRESETS[key]) == C.count_parameters(hf) == PUBLISHED[config]
+
+
+def test_a_config_reads_the_same_from_a_path_a_dict_and_a_pretrained_config(tmp_path):
+    fields = C.load_hf_config("llama-3.2-1b", as_dict=True)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(fields))
+    setup = C.TrainingSetup(seq_len=256)
+    from_path = C.predict_hf(path, setup)
+    assert C.predict_hf(fields, setup).total == from_path.total
+    assert C.predict_hf(C.load_hf_config("llama-3.2-1b"), setup).total == from_path.total   # a PretrainedConfig
+    assert C.predict_hf("llama-3.2-1b", setup, seq_len=512).total > from_path.total          # overrides apply
+
+
+def test_predict_hf_reads_a_lora_config():
+    from peft import LoraConfig
+
+    setup = C.TrainingSetup(seq_len=256)
+    lora = C.predict_hf("llama-2-7b", setup, lora=LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    full = C.predict_hf("llama-2-7b", setup)
+    assert lora.setup.lora_targets == ("q_proj", "v_proj") and lora.setup.lora_rank == 8
+    assert lora.trainable_parameters == 32 * 2 * 8 * (4096 + 4096)    # A (8 x 4096) and B (4096 x 8), q and v
+    assert lora.total < full.total
+    everything = C.predict_hf("llama-2-7b", setup, lora=LoraConfig(r=8, target_modules="all-linear"))
+    assert everything.setup.lora_targets == "all"
+
+
+def test_bad_input_is_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match="model_type 'bert' is not modelled: expected one of"):
+        C.predict_hf({"model_type": "bert", "hidden_size": 8})
+    fields = C.load_hf_config("llama-2-7b", as_dict=True)
+    del fields["intermediate_size"]
+    with pytest.raises(ValueError, match=r"lacks \['intermediate_size'\]"):
+        C.predict_hf(fields)
+    with pytest.raises(ValueError, match=r"LoRA target\(s\) \['qproj'\] name no Linear layer"):
+        C.predict_hf("llama-2-7b", lora_rank=8, lora_targets=("qproj",))
+    with pytest.raises(ValueError, match="no config 'llama-9b': expected one of"):
+        C.load_hf_config("llama-9b")
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a transformers config.json"):
+        C.predict_hf(tmp_path / "bad.json")
+    with pytest.raises(TypeError, match="config must be a transformers PretrainedConfig"):
+        C.predict_hf(42)
+    with pytest.raises(ValueError, match="chunked loss is modelled for the course's designs"):
+        C.predict_hf("llama-2-7b", chunked_loss=128)
+    with pytest.raises(ValueError, match="padded: modelled for transformers' designs"):
+        C.predict(C.PRESETS["7B"], C.TrainingSetup(padded=True))
+    with pytest.raises(ValueError, match="GPT-2's training step is not replayed yet"):
+        C.predict_hf("gpt2")
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")   # peft calls it
+def test_parameters_follow_the_real_peft_model():
+    """Names, order, shapes and trainability of every parameter equal those of transformers + peft."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from utils.calculator.validate_hf import hf_config_for, _tiny
+    from transformers import AutoModelForCausalLM
+
+    model = _tiny(qkv_bias=True, tied_embeddings=True)
+    setup = C.TrainingSetup(lora_rank=4, lora_targets=("o_proj", "up_proj"))
+    with torch.device("meta"):
+        net = get_peft_model(AutoModelForCausalLM.from_config(hf_config_for(model)),
+                             LoraConfig(r=4, target_modules=["o_proj", "up_proj"]))
+    real = [(name.removeprefix("base_model.model."), tuple(p.shape), p.requires_grad)
+            for name, p in net.named_parameters()]
+    assert C.parameter_shapes(model, setup) == real
+
+
+def test_the_replay_equals_transformers_measured_by_memtracker_to_the_byte():
+    """The check subset of the transformers grid: real models, one step each, two independent trackers."""
+    from utils.calculator.validate_hf import validate_hf
+
+    rows = validate_hf(check=True)
+    assert len(rows) >= 3
+    for row in rows:
+        assert row.trackers_agree, f"{row.label}: MemTracker and the storage counter disagree"
+        assert row.predicted_peak_bytes == row.measured.peak_bytes, f"{row.label}: the prediction is off"
+    assert any(row.measured.memtracker_peak_bytes is not None for row in rows)
+
+
+def test_hf_grid_covers_what_the_issue_asks():
+    from utils.calculator.validate_hf import hf_validation_grid
+
+    grid = hf_validation_grid()
+    assert len(grid) >= 20
+    models = [m for _, m, _ in grid]
+    setups = [s for _, _, s in grid]
+    assert {m.attention for m in models} == {"sdpa", "eager"}
+    assert any(m.kv_heads < m.num_heads for m in models) and any(m.tied_embeddings for m in models)
+    assert {s.precision for s in setups} == set(C.PRECISIONS)
+    assert any(s.lora_rank and s.checkpointing != "none" for s in setups)
+    assert any(s.lora_rank and s.checkpointing == "none" for s in setups)
+    assert {s.loss for s in setups} == set(C.LOSSES)
+    assert any(s.padded for s in setups) and len({s.optimizer for s in setups}) >= 2
+
+
+def test_command_line_reads_a_config_file(capsys):
+    assert C.main(["--hf-config", str(ROOT / "utils/calculator/configs/llama-2-7b.json"), "--device-gb", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("llama-2-7b: 6.738 B parameters") and "loss model(labels=)" in out
+    with pytest.raises(SystemExit):
+        C.main(["--hf-config", "llama-2-7b", "--layers", "2"])
+
+
+def test_readme_shows_what_the_hf_config_command_prints(capsys):
+    text = (ROOT / "README.md").read_text()
+    command = "$ python -m utils.calculator --hf-config utils/calculator/configs/llama-2-7b.json\n"
+    assert command in text, "README.md shows the calculator reading a config file"
+    shown = text.split(command, 1)[1].split("```", 1)[0]
+    C.main(["--hf-config", "utils/calculator/configs/llama-2-7b.json"])
+    assert capsys.readouterr().out == shown, "README.md's --hf-config example is stale: paste the command's output"
+
+
+def test_importing_utils_does_not_import_transformers():
+    code = "import sys, utils, utils.calculator as c; c.predict_hf('llama-2-7b', seq_len=64); " \
+           "print('transformers' in sys.modules, 'peft' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_the_cache_and_the_mask_are_counted():
+    """transformers keeps a copy of the keys and values (use_cache in training) and, padded, a mask per layer."""
+    setup = C.TrainingSetup(seq_len=512, precision="bf16-autocast")
+    model = C.model_config_from_hf("llama-3.2-1b")
+    cached = C.predict(model, setup).largest["activations"]
+    assert C.predict(replace(model, use_cache=False), setup).largest["activations"] < cached
+    assert C.predict(model, replace(setup, padded=True)).largest["activations"] > cached

@@ -1,0 +1,73 @@
+"""utils.lowbit's formulas for notebook 10 (fewer bits): formats from their bits, NF4 bytes, bytes per method."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from utils import lowbit
+
+
+@pytest.mark.parametrize("name", sorted(lowbit.FORMATS))
+def test_float_format_matches_torch_finfo(name):
+    spec = lowbit.float_format(name)
+    info = torch.finfo(spec["dtype"])
+    assert (spec["max"], spec["smallest_normal"], spec["eps"], spec["bits"]) == \
+        (info.max, info.smallest_normal, info.eps, info.bits)
+
+
+def test_unknown_format_names_the_known_ones():
+    with pytest.raises(ValueError, match="e4m3"):
+        lowbit.float_format("fp4")
+
+
+def test_nf4_bytes_with_and_without_double_quantisation():
+    assert lowbit.nf4_storage_bytes(4096, 64, double_quant=False) == 2048 + 4 * 64
+    # 64 blocks: 64 int8 absmaxes, one fp32 scale for them (64 < 256), one fp32 offset
+    assert lowbit.nf4_storage_bytes(4096, 64, double_quant=True) == 2048 + 64 + 4 + 4
+    bits = 8 * lowbit.nf4_storage_bytes(4096 * 4096) / (4096 * 4096)
+    assert math.isclose(bits, 4.127, abs_tol=2e-3)          # QLoRA's figure
+
+
+@pytest.mark.parametrize("numel, block", [(100, 64), (128, 63), (128, 0), (128, 2.0)])
+def test_nf4_bytes_refuse_a_block_size_that_does_not_divide(numel, block):
+    with pytest.raises((ValueError, TypeError), match="block_size"):
+        lowbit.nf4_storage_bytes(numel, block)
+
+
+def test_llama_shapes_give_the_published_parameter_counts():
+    for shape, expected in [((32, 4096, 11008, 32000, 32), 6_738_415_616),
+                            ((80, 8192, 28672, 32000, 64, 8), 68_976_648_192)]:
+        linears, other = lowbit.llama_shapes(*shape)
+        assert sum(o * i for o, i in linears) + other == expected
+    with pytest.raises(ValueError, match="num_heads"):
+        lowbit.llama_shapes(2, 100, 200, 10, 3)
+
+
+def test_training_state_bytes_per_method():
+    shapes, other = [(128, 64), (64, 128)], 100
+    linear = 2 * 128 * 64
+    adapters = 16 * lowbit.lora_parameters(shapes, 4)
+    assert lowbit.lora_parameters(shapes, 4) == 4 * (64 + 128) * 2
+    assert lowbit.training_state_bytes("full", shapes, other) == 16 * (linear + other)
+    assert lowbit.training_state_bytes("fp8", shapes, other) == 16 * (linear + other)
+    assert lowbit.training_state_bytes("bf16-sr", shapes, other) == 8 * (linear + other)
+    assert lowbit.training_state_bytes("bf16-kahan", shapes, other) == 10 * (linear + other)
+    assert lowbit.training_state_bytes("lora", shapes, other, lora_rank=4) == 2 * (linear + other) + adapters
+    nf4 = 2 * lowbit.nf4_storage_bytes(128 * 64)
+    assert lowbit.training_state_bytes("qlora", shapes, other, lora_rank=4) == nf4 + 2 * other + adapters
+    assert lowbit.training_state_bytes("qlora-prepared", shapes, other, lora_rank=4) == nf4 + 4 * other + adapters
+
+
+def test_training_state_bytes_refuses_unknown_methods_and_counts():
+    with pytest.raises(ValueError, match="qlora"):
+        lowbit.training_state_bytes("int4", [], 10)
+    with pytest.raises(ValueError, match="other_parameters"):
+        lowbit.training_state_bytes("full", [], -1)
+
+
+def test_bitsandbytes_table_is_sorted_and_symmetric_at_the_ends():
+    table = lowbit.NF4_BITSANDBYTES
+    assert len(table) == 16 and list(table) == sorted(table) and table[0] == -1 and table[-1] == 1 and 0.0 in table

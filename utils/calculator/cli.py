@@ -1,0 +1,150 @@
+"""The command line: ``python -m utils.calculator``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from .config import (ARCHS, ATTENTIONS, CHECKPOINTING, DEVICES, LORA_TARGETS, LOSSES, OPTIMIZER_IMPLS, OPTIMIZERS,
+                     PRECISIONS, STRATEGIES, ModelConfig, TrainingSetup)
+from .hf import HF_MODEL_TYPES, SHIPPED_CONFIGS, model_config_from_hf
+from .predict import _gib, format_table, largest_micro_batch, predict
+from .presets import PRESETS
+from .validate import VALIDATION_HEADER, format_validation_row, validate, worst_errors
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m utils.calculator",
+        description="Predict the peak training memory per device, term by term (parameters, gradients, "
+                    "optimizer state, activations, loss, temporaries), for a transformers config.json, a preset "
+                    "or your own shape. --validate and --validate-hf measure grids of small models on the CPU "
+                    "against the prediction.")
+    shape = parser.add_argument_group("model (a transformers config, a preset, or your own shape)")
+    shape.add_argument("--hf-config", metavar="PATH_OR_NAME",
+                       help="a transformers config.json (model_type " + ", ".join(sorted(HF_MODEL_TYPES)) + ") or a "
+                            "shipped one: " + ", ".join(SHIPPED_CONFIGS))
+    shape.add_argument("--attn", choices=ATTENTIONS, default=None,
+                       help="with --hf-config: attn_implementation (default: the config's, else sdpa)")
+    shape.add_argument("--preset", choices=sorted(PRESETS, key=lambda k: float(k[:-1])),
+                       help="; ".join(f"{key}: {cfg.name}" for key, cfg in PRESETS.items()))
+    shape.add_argument("--arch", choices=ARCHS, default=None, help="block design (default llama for a custom shape)")
+    for flag, help_text in [("--layers", "transformer blocks"), ("--d-model", "residual width"),
+                            ("--heads", "attention heads"), ("--kv-heads", "key/value heads (default: --heads)"),
+                            ("--ffn", "MLP hidden width (default 4 x d-model)"), ("--vocab", "vocabulary size"),
+                            ("--max-seq-len", "position table rows (gpt) / context length")]:
+        shape.add_argument(flag, type=int, default=None, help=help_text)
+    shape.add_argument("--tied", action="store_true", help="the head shares the embedding's weight (llama)")
+    train = parser.add_argument_group("training set-up")
+    train.add_argument("--micro-batch", type=int, default=1, help="sequences per device (default 1)")
+    train.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    train.add_argument("--precision", choices=PRECISIONS, default="bf16-autocast")
+    train.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    train.add_argument("--impl", choices=OPTIMIZER_IMPLS, default="foreach",
+                       help="torch.optim implementation (default foreach, CUDA's default)")
+    train.add_argument("--checkpointing", choices=CHECKPOINTING, default="none")
+    train.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning")
+    train.add_argument("--lora-targets", default="all",
+                       help="all, attention, or (with --hf-config) peft's target_modules, comma-separated: q_proj,v_proj")
+    train.add_argument("--lora-dropout", type=float, default=0.0, help="with --hf-config: peft's lora_dropout")
+    train.add_argument("--padded", action="store_true",
+                       help="with --hf-config: the batch is padded and passed with its attention_mask")
+    train.add_argument("--loss", choices=LOSSES, default="labels",
+                       help="with --hf-config: model(..., labels=) (default) or your own loss on the logits")
+    train.add_argument("--chunked-loss", type=int, default=0, help="tokens per chunk (0: the whole logits)")
+    train.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
+    train.add_argument("--strategy", choices=STRATEGIES, default="single")
+    train.add_argument("--ranks", type=int, default=1)
+    train.add_argument("--device", choices=DEVICES, default="cuda", help="whose op-level details (default cuda)")
+    train.add_argument("--device-gb", type=float, default=80.0,
+                       help="device memory in GB (10^9 bytes) for the fit verdict and the largest micro-batch "
+                            "(default 80; 0 skips both)")
+    parser.add_argument("--validate", action="store_true", help="measure the grid on the CPU against the prediction")
+    parser.add_argument("--validate-hf", action="store_true",
+                        help="measure real transformers models (tiny configs, random weights) on the CPU with torch's "
+                             "MemTracker against the prediction")
+    parser.add_argument("--check", action="store_true",
+                        help="with --validate or --validate-hf: the quick representative subset")
+    parser.add_argument("--on", default="cpu", choices=("cpu", "cuda"),
+                        help="with --validate: the device to measure on (cuda: the allocator's figures; this branch "
+                             "has not been run on a GPU yet)")
+    return parser
+
+
+def _model_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelConfig:
+    custom = {"num_layers": args.layers, "d_model": args.d_model, "num_heads": args.heads, "vocab_size": args.vocab,
+              "ffn_width": args.ffn, "num_kv_heads": args.kv_heads, "max_seq_len": args.max_seq_len}
+    if args.hf_config:
+        given = [flag for flag, value in custom.items() if value is not None]
+        if given or args.arch or args.tied or args.preset:
+            parser.error(f"--hf-config {args.hf_config} fixes the shape: expected no --preset or shape flags with it")
+        return model_config_from_hf(args.hf_config, attention=args.attn)
+    if args.attn:
+        parser.error("--attn is for transformers' models: expected it with --hf-config")
+    if args.preset:
+        given = [flag for flag, value in custom.items() if value is not None]
+        if given or args.arch or args.tied:
+            parser.error(f"--preset {args.preset} fixes the shape: expected no shape flags with it, got {given}")
+        return PRESETS[args.preset]
+    missing = [flag for flag in ("--layers", "--d-model", "--heads", "--vocab")
+               if getattr(args, flag[2:].replace("-", "_")) is None]
+    if missing:
+        parser.error(f"expected --preset or a shape: missing {', '.join(missing)}")
+    custom = {key: value for key, value in custom.items() if value is not None}
+    custom.setdefault("max_seq_len", max(args.seq_len, 2048))
+    return ModelConfig(arch=args.arch or "llama", tied_embeddings=args.tied, **custom)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.validate_hf:
+        from .validate_hf import HF_VALIDATION_HEADER, format_hf_validation_row, validate_hf, versions
+
+        print(HF_VALIDATION_HEADER, flush=True)
+        rows = validate_hf(check=args.check, progress=lambda row: print(format_hf_validation_row(row), flush=True))
+        worst = max(rows, key=lambda row: row.error)
+        agree = all(row.trackers_agree for row in rows)
+        print(f"{len(rows)} configurations on the CPU ({versions()}): worst peak error {worst.error:.2%} "
+              f"({worst.label}); MemTracker and the storage counter {'agree to the byte' if agree else 'DISAGREE'} "
+              f"on the {sum(row.measured.memtracker_peak_bytes is not None for row in rows)} it could run")
+        return 0 if agree and worst.error <= 0.01 else 1
+    if args.validate:
+        print(VALIDATION_HEADER, flush=True)
+        rows = validate(check=args.check, device=args.on,
+                        progress=lambda row: print(format_validation_row(row), flush=True))
+        worst = worst_errors(rows)
+        where = "on the CPU (exact tracker)" if args.on == "cpu" else "on CUDA (the caching allocator)"
+        print(f"{len(rows)} configurations {where}; worst relative error per term: "
+              + ", ".join(f"{term} {value:.2e}" for term, value in worst.items()))
+        return 0 if args.on == "cuda" or not any(worst.values()) else 1
+    try:
+        model = _model_from_args(args, parser)
+        targets = args.lora_targets if args.lora_targets in LORA_TARGETS else tuple(
+            name.strip() for name in args.lora_targets.split(",") if name.strip())
+        setup = TrainingSetup(micro_batch=args.micro_batch, seq_len=args.seq_len, precision=args.precision,
+                              optimizer=args.optimizer, optimizer_impl=args.impl, checkpointing=args.checkpointing,
+                              lora_rank=args.lora_rank, lora_targets=targets, chunked_loss=args.chunked_loss,
+                              accumulation_steps=args.accumulation, strategy=args.strategy, ranks=args.ranks,
+                              device=args.device, lora_dropout=args.lora_dropout, padded=args.padded, loss=args.loss)
+        breakdown = predict(model, setup)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.device_gb < 0:
+        parser.error(f"--device-gb must be >= 0 (0 skips the verdict), got {args.device_gb}")
+    device_bytes = int(args.device_gb * 10**9) or None
+    print(format_table(breakdown, device_bytes=device_bytes))
+    if device_bytes:
+        largest = largest_micro_batch(model, setup, device_bytes)
+        if largest:
+            print(f"largest micro-batch of {setup.seq_len} tokens that fits: {largest}")
+        else:
+            state = breakdown.parameters + breakdown.gradients + breakdown.optimizer_state
+            print(f"no micro-batch fits: at the peak, parameters, gradients and optimizer state alone take "
+                  f"{_gib(state)} GiB of the {_gib(device_bytes)} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""What the reader describes: a transformer's shape (``ModelConfig``) and how it trains (``TrainingSetup``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..checks import positive_int
+
+ARCHS = ("gpt", "llama")                       # the course's designs (utils.TinyTransformer, llama_like)
+HF_ARCHS = ("hf-llama", "hf-gpt2")             # transformers' own models, read from their config (hf.py)
+ATTENTIONS = ("sdpa", "eager")                 # transformers' attn_implementation
+LOSSES = ("labels", "logits")                  # model(..., labels=) or F.cross_entropy on outputs.logits
+PRECISIONS = ("fp32", "bf16-autocast", "bf16")
+OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw", "adafactor", "adamw8bit")
+OPTIMIZER_IMPLS = ("for-loop", "foreach", "fused")
+CHECKPOINTING = ("none", "every_block", "selective")
+LORA_TARGETS = ("all", "attention")
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp")
+DEVICES = ("cuda", "cpu")
+KINDS = ("parameters", "gradients", "optimizer_state", "activations", "loss", "weight_copies", "comm_buffers",
+         "inputs", "temporaries")
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a decoder-only transformer.
+
+    Two block designs are modelled, each exactly as this module's reference step trains it:
+
+    * ``"gpt"``: ``utils.TinyTransformer`` (learned position embeddings, pre-norm LayerNorm with
+      bias, a fused qkv Linear, GELU MLP ``ffn_width`` wide, biases everywhere, an untied head with
+      bias, attention through ``F.scaled_dot_product_attention``).
+    * ``"llama"``: Llama's design as Hugging Face writes it (RMSNorm computed in float32, rotary
+      position embeddings, separate q/k/v/o projections with ``num_kv_heads`` key/value heads
+      (grouped-query attention, the key/value heads repeated before attention), a SwiGLU MLP, no
+      biases; the head tied to the embedding or not).
+
+    Attributes:
+        num_layers: transformer blocks.
+        d_model: width of the residual stream.
+        num_heads: query heads; must divide ``d_model``.
+        vocab_size: tokens in the vocabulary (rows of the embedding and the head).
+        ffn_width: hidden width of the MLP (None: ``4 * d_model``).
+        num_kv_heads: key/value heads (None: ``num_heads``); must divide ``num_heads``. ``"gpt"``
+            needs ``num_kv_heads == num_heads``.
+        max_seq_len: longest sequence: the position table's rows for ``"gpt"``; the published context
+            length for ``"llama"``.
+        arch: ``"gpt"`` or ``"llama"`` (the course's designs); ``"hf-llama"`` (transformers'
+            ``LlamaForCausalLM`` and the models that share its block: Mistral, Qwen2) or ``"hf-gpt2"``
+            (``GPT2LMHeadModel``), as ``model_config_from_hf`` reads them from a config.
+        tied_embeddings: the head shares the embedding's weight (not ``"gpt"``; Llama 3.2 1B, GPT-2).
+        name: a label for tables.
+        head_width, qkv_bias, out_bias, mlp_bias, attention, sliding_window, use_cache: transformers'
+            designs only: a head width other than ``d_model / num_heads`` (config ``head_dim``); biases
+            of the q/k/v, output and MLP projections (Qwen2: q/k/v); ``attn_implementation``
+            (``"sdpa"`` or ``"eager"``); Mistral's sliding window; ``config.use_cache`` (a model in
+            training mode without checkpointing fills a ``DynamicCache`` with a copy of every layer's
+            keys and values during forward).
+
+    Raises:
+        ValueError: non-positive sizes, heads that do not divide the width, key/value heads that do
+            not divide the heads, an unknown ``arch``.
+
+    Example:
+        >>> gpt2_small = ModelConfig(num_layers=12, d_model=768, num_heads=12, vocab_size=50257, max_seq_len=1024)
+        >>> count_parameters(gpt2_small)          # GPT-2 small's shape, with an untied head
+    """
+
+    num_layers: int
+    d_model: int
+    num_heads: int
+    vocab_size: int
+    ffn_width: int | None = None
+    num_kv_heads: int | None = None
+    max_seq_len: int = 2048
+    arch: str = "gpt"
+    tied_embeddings: bool = False
+    name: str = "custom"
+    head_width: int | None = None
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    attention: str = "sdpa"
+    sliding_window: int | None = None
+    use_cache: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "d_model", "num_heads", "vocab_size", "max_seq_len"):
+            positive_int(name, getattr(self, name))
+        _choice("arch", self.arch, ARCHS + HF_ARCHS)
+        _choice("attention", self.attention, ATTENTIONS)
+        hf_only = {"head_width": self.head_width is not None, "qkv_bias": self.qkv_bias, "out_bias": self.out_bias,
+                   "mlp_bias": self.mlp_bias, "attention": self.attention != "sdpa",
+                   "sliding_window": self.sliding_window is not None}
+        given = [name for name, set_ in hf_only.items() if set_]
+        if self.arch in ARCHS and given:
+            raise ValueError(f"{', '.join(given)}: transformers' designs only (arch 'hf-llama' or 'hf-gpt2', made by "
+                             f"utils.calculator.model_config_from_hf); arch {self.arch!r} has none of them")
+        for name in ("head_width", "sliding_window"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
+        if self.ffn_width is not None:
+            positive_int("ffn_width", self.ffn_width)
+        if self.num_kv_heads is not None:
+            positive_int("num_kv_heads", self.num_kv_heads)
+        if self.d_model % self.num_heads and self.head_width is None:
+            raise ValueError(f"num_heads ({self.num_heads}) must divide d_model ({self.d_model}): expected a head "
+                             f"count such as {_divisors_near(self.d_model, self.num_heads)}")
+        if self.kv_heads > self.num_heads or self.num_heads % self.kv_heads:
+            raise ValueError(f"num_kv_heads ({self.kv_heads}) must divide num_heads ({self.num_heads}): each key/value "
+                             "head serves a whole group of query heads")
+        if self.arch in ("gpt", "hf-gpt2") and self.kv_heads != self.num_heads:
+            raise ValueError("arch 'gpt' (utils.TinyTransformer) has one key/value head per query head: expected "
+                             f"num_kv_heads None or {self.num_heads}, got {self.num_kv_heads}")
+        if self.tied_embeddings and self.arch == "gpt":
+            raise ValueError("tied_embeddings is modelled for arch 'llama' only (utils.TinyTransformer's head is untied)")
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+
+    @property
+    def ffn(self) -> int:
+        """The MLP's hidden width."""
+        return self.ffn_width if self.ffn_width is not None else 4 * self.d_model
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads."""
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.head_width if self.head_width is not None else self.d_model // self.num_heads
+
+    @property
+    def is_hf(self) -> bool:
+        """A transformers model (``model_config_from_hf``), not one of the course's own designs."""
+        return self.arch in HF_ARCHS
+
+
+def _divisors_near(width: int, heads: int) -> str:
+    near = sorted((d for d in range(1, min(width, 4 * heads) + 1) if width % d == 0), key=lambda d: abs(d - heads))
+    return " or ".join(str(d) for d in sorted(near[:3]))
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """How the model is trained: one optimizer step of ``accumulation_steps`` micro-batches per device.
+
+    Attributes:
+        micro_batch: sequences per micro-batch per device.
+        seq_len: tokens per sequence.
+        precision: ``"fp32"``; ``"bf16-autocast"`` (fp32 weights, which are the master weights, and fp32
+            gradients and optimizer state; matmuls and their saved activations in bf16 under
+            ``torch.autocast``, which caches a bf16 copy of each trainable weight during forward);
+            ``"bf16"`` (pure bf16: the model, its gradients and torch.optim's state in bf16, the loss
+            computed on ``logits.float()``).
+        optimizer: ``"sgd"``, ``"sgd_momentum"``, ``"adam"``, ``"adamw"``, ``"adafactor"``
+            (``torch.optim.Adafactor``), ``"adamw8bit"`` (``utils.AdamW8bit`` of notebook 09).
+        optimizer_impl: torch.optim's implementation: ``"foreach"`` (CUDA's default: a temporary the
+            size of all parameters of a group), ``"for-loop"`` (the CPU's default: temporaries of one
+            or two tensors at a time), ``"fused"`` (none; SGD, Adam and AdamW only).
+        checkpointing: ``"none"``, ``"every_block"`` (each block under non-reentrant
+            ``torch.utils.checkpoint``), ``"selective"`` (notebook 03's policy: matmul outputs saved,
+            everything else recomputed).
+        lora_rank: 0 trains every parameter; r > 0 freezes the model and trains LoRA adapters of rank r
+            (A: r x in, B: out x r, scale alpha / r) on ``lora_targets``.
+        lora_targets: ``"all"`` (every Linear inside the blocks) or ``"attention"`` (the attention
+            projections only); for transformers' designs also a tuple of module names, as peft's
+            ``LoraConfig(target_modules=...)`` (``("q_proj", "v_proj")``).
+        lora_dropout: peft's ``lora_dropout`` (transformers' designs; 0 makes it an ``nn.Identity``).
+        padded: transformers' designs: the batch comes with an ``attention_mask`` that pads some
+            sequences (the 4-D mask is then built and kept; without padding sdpa runs ``is_causal``).
+        loss: transformers' designs: ``"labels"`` (``model(input_ids, labels=...).loss``, the model's
+            shifted loss) or ``"logits"`` (your own ``F.cross_entropy`` on ``outputs.logits.float()``).
+        chunked_loss: 0 computes ``F.cross_entropy`` on the whole logits; c > 0 uses
+            ``utils.chunked_cross_entropy`` with c tokens per chunk (notebook 08).
+        accumulation_steps: micro-batches per optimizer step (notebook 02).
+        strategy: ``"single"`` (one device), ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"fsdp"`` (ZeRO-3,
+            FSDP2's ``fully_shard`` per block).
+        ranks: data-parallel ranks (1 for ``"single"``, at least 2 otherwise).
+        device: ``"cuda"`` or ``"cpu"``: the few op-level details that differ (pure bf16 LayerNorm
+            statistics are bf16 on the CPU, fp32 on CUDA).
+
+    Raises:
+        ValueError: an unknown choice, a non-positive size, a strategy that needs more ranks than
+            given, a ``"fused"`` optimizer torch does not fuse.
+
+    Example:
+        >>> TrainingSetup(micro_batch=4, seq_len=2048, checkpointing="every_block", lora_rank=16)
+        >>> TrainingSetup(seq_len=4096, strategy="fsdp", ranks=64, optimizer_impl="fused")
+    """
+
+    micro_batch: int = 1
+    seq_len: int = 2048
+    precision: str = "bf16-autocast"
+    optimizer: str = "adamw"
+    optimizer_impl: str = "foreach"
+    checkpointing: str = "none"
+    lora_rank: int = 0
+    lora_targets: str | tuple[str, ...] = "all"
+    chunked_loss: int = 0
+    accumulation_steps: int = 1
+    strategy: str = "single"
+    ranks: int = 1
+    device: str = "cuda"
+    lora_dropout: float = 0.0
+    padded: bool = False
+    loss: str = "labels"
+
+    def __post_init__(self) -> None:
+        positive_int("micro_batch", self.micro_batch, "sequences per device")
+        positive_int("seq_len", self.seq_len, "tokens per sequence")
+        positive_int("accumulation_steps", self.accumulation_steps)
+        positive_int("ranks", self.ranks)
+        for name, allowed in [("precision", PRECISIONS), ("optimizer", OPTIMIZERS), ("optimizer_impl", OPTIMIZER_IMPLS),
+                              ("checkpointing", CHECKPOINTING), ("strategy", STRATEGIES), ("device", DEVICES),
+                              ("loss", LOSSES)]:
+            _choice(name, getattr(self, name), allowed)
+        if isinstance(self.lora_targets, tuple):
+            if not self.lora_targets or not all(isinstance(n, str) and n for n in self.lora_targets):
+                raise ValueError(f"lora_targets as a tuple names modules, as peft's target_modules: expected "
+                                 f"non-empty strings such as ('q_proj', 'v_proj'), got {self.lora_targets!r}")
+        else:
+            _choice("lora_targets", self.lora_targets, LORA_TARGETS)
+        if isinstance(self.lora_dropout, bool) or not isinstance(self.lora_dropout, (int, float)) \
+                or not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout must be a probability in [0, 1), got {self.lora_dropout!r}")
+        if not isinstance(self.padded, bool):
+            raise ValueError(f"padded must be True or False, got {self.padded!r}")
+        for name in ("lora_rank", "chunked_loss"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0 (0 turns it off), got {value!r}")
+        if self.strategy == "single" and self.ranks != 1:
+            raise ValueError(f"strategy 'single' trains on one device: expected ranks=1, got {self.ranks} (pick 'ddp', "
+                             "'zero1', 'zero2' or 'fsdp' for several)")
+        if self.strategy != "single" and self.ranks < 2:
+            raise ValueError(f"strategy {self.strategy!r} needs at least 2 ranks to replicate or shard over, got "
+                             f"ranks={self.ranks} (use strategy 'single' for one device)")
+        if self.optimizer_impl == "fused" and self.optimizer not in ("sgd", "sgd_momentum", "adam", "adamw"):
+            raise ValueError(f"torch.optim has no fused {self.optimizer!r}: expected optimizer_impl 'for-loop' or "
+                             "'foreach' (fused exists for sgd, sgd_momentum, adam, adamw)")
+        if self.optimizer == "adamw8bit" and self.optimizer_impl != "for-loop":
+            raise ValueError("utils.AdamW8bit updates one tensor at a time: expected optimizer_impl 'for-loop' "
+                             f"with optimizer 'adamw8bit', got {self.optimizer_impl!r}")
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per micro-batch per device."""
+        return self.micro_batch * self.seq_len

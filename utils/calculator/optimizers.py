@@ -1,0 +1,187 @@
+"""Optimizers: the state torch.optim (and ``utils.AdamW8bit``) keeps, and the temporaries of one ``step()``."""
+
+from __future__ import annotations
+
+import math
+
+from .config import ModelConfig, TrainingSetup
+from .replay import _Leaf, _Replay, _T, _shard_numel
+from .shapes import parameter_shapes
+
+def _optimizer_state_bytes(model: ModelConfig, setup: TrainingSetup, ranks: int = 1) -> int:
+    """Bytes of optimizer state on one device (of every tensor's FSDP shard when ``ranks`` > 1)."""
+    from ..footprint import predict_optimizer_state_bytes
+
+    shapes = [shape for _, shape, trainable in parameter_shapes(model, setup) if trainable]
+    if ranks > 1:
+        shapes = [(math.ceil(shape[0] / ranks),) + tuple(shape[1:]) for shape in shapes]
+    total = predict_optimizer_state_bytes(shapes, setup.optimizer)
+    steps = 4 * len(shapes) if setup.optimizer in ("adam", "adamw", "adafactor") else 0
+    elements = total - steps
+    if setup.precision == "bf16" and setup.optimizer != "adamw8bit" and not (model.is_hf and setup.lora_rank):
+        # (peft keeps LoRA's adapters, and so their state, in float32 on a bf16 model)
+        elements //= 2                          # torch.optim keeps its state in the parameters' dtype
+    if setup.device == "cuda" and setup.optimizer_impl != "fused":
+        steps = 0                                # torch.optim keeps `step` on the host unless fused or capturable
+    codebooks = 4 * sum(ADAMW8BIT_CODEBOOKS) if setup.optimizer == "adamw8bit" else 0   # kept on the optimizer
+    return elements + steps + codebooks
+
+
+def _optimizer_state_per_rank(model: ModelConfig, setup: TrainingSetup) -> int:
+    """Optimizer state on one rank: all of it (single, DDP), ZeRO's 1/N (ZeRO-1/2), or that of FSDP's shards.
+
+    ZeRO-1/2 split the per-element state evenly (``ceil(K·Ψ / N)``) and the 4-byte step counters by whole
+    tensors (``ceil(T / N)``), as ``utils.predict_zero_bytes_per_rank``; FSDP2 shards every tensor along
+    dim 0 (padded), so each rank keeps the state of its shards and every step counter.
+    """
+    if setup.strategy in ("single", "ddp"):
+        return _optimizer_state_bytes(model, setup)
+    if setup.strategy == "fsdp":
+        return _optimizer_state_bytes(model, setup, ranks=setup.ranks)
+    total = _optimizer_state_bytes(model, setup)
+    tensors = sum(1 for _, _, trainable in parameter_shapes(model, setup) if trainable)
+    steps = 4 * tensors if (setup.optimizer in ("adam", "adamw", "adafactor")
+                            and (setup.device == "cpu" or setup.optimizer_impl == "fused")) else 0
+    codebooks = 4 * sum(ADAMW8BIT_CODEBOOKS) if setup.optimizer == "adamw8bit" else 0
+    elements = total - steps - codebooks
+    return math.ceil(elements / setup.ranks) + 4 * math.ceil(steps // 4 / setup.ranks) + codebooks
+
+
+def _shard_leaves(leaves: list[_Leaf], setup: TrainingSetup) -> list[_Leaf]:
+    """The tensors one rank's optimizer updates: all, or 1/N of each along dim 0 (ZeRO / FSDP)."""
+    if setup.strategy in ("single", "ddp"):
+        return leaves
+    out = []
+    for leaf in leaves:
+        shape = (math.ceil(leaf.shape[0] / setup.ranks),) + tuple(leaf.shape[1:])
+        out.append(_Leaf(leaf.name, shape, leaf.item, True))
+    return out
+
+
+def _optimizer_temporaries(r: _Replay, leaves: list[_Leaf], setup: TrainingSetup) -> None:
+    """The allocations of one steady-state ``optimizer.step()`` (its state exists already)."""
+    opt, impl = setup.optimizer, setup.optimizer_impl
+    host_scalars = r.device == "cpu"            # torch.tensor(1.0) for CPU step counters
+    if impl == "fused" or opt in ("sgd", "sgd_momentum"):
+        return
+    if opt in ("adam", "adamw"):
+        if impl == "for-loop":                  # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+            previous = None
+            for leaf in leaves:
+                root = r.new(leaf.numel, leaf.item, "temporaries", f"sqrt {leaf.name}")
+                denom = r.new(leaf.numel, leaf.item, "temporaries", f"denom {leaf.name}")
+                r.rel(root, previous)
+                previous = denom
+            r.rel(previous)
+        else:                                   # exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)
+            if host_scalars:
+                r.rel(r.new(1, 4, "temporaries", "torch.tensor(1.0)"))
+            roots = [r.new(leaf.numel, leaf.item, "temporaries", f"sqrt {leaf.name}") for leaf in leaves]
+            r.rel(*reversed(roots))
+        return
+    if opt == "adafactor":
+        if impl == "for-loop":
+            _adafactor_for_loop(r, leaves)
+        else:
+            _adafactor_foreach(r, leaves, host_scalars)
+        return
+    _adamw8bit_temporaries(r, leaves)
+
+
+ADAMW8BIT_BLOCK = 256                            # utils.AdamW8bit's default block_size
+ADAMW8BIT_CODEBOOKS = (255, 256)                 # entries of utils.lowbit.signed_codebook / unsigned_codebook
+
+
+def _adamw8bit_temporaries(r: _Replay, leaves: list[_Leaf], block: int = ADAMW8BIT_BLOCK) -> None:
+    """utils.AdamW8bit's step, one tensor at a time: dequantise both moments, update, quantise them back."""
+    for leaf in leaves:
+        n = leaf.numel
+        padded = math.ceil(n / block) * block
+        blocks = padded // block
+        grad = r.new(n, 4, "temporaries", "grad.float()") if leaf.item != 4 else None
+        moments = []
+        for _ in range(2):                       # codebook[codes.long()] * scales.repeat_interleave(block)[:n]
+            index = r.new(n, 8, "temporaries", "codes.long()")
+            values = r.new(n, 4, "temporaries", "codebook[codes]")
+            r.rel(index)
+            scales = r.new(padded, 4, "temporaries", "scales.repeat_interleave()")
+            moments.append(r.new(n, 4, "temporaries", "dequantised moment"))
+            r.rel(values, scales)
+        weights = r.new(n, 4, "temporaries", "param.float()") if leaf.item != 4 else None
+        denominator = r.new(n, 4, "temporaries", "denominator")
+        for entries in ADAMW8BIT_CODEBOOKS:      # quantize_blockwise(exp_avg), then (exp_avg_sq)
+            pad = r.new(padded, 4, "temporaries", "F.pad(flat)")
+            absolute = r.new(padded, 4, "temporaries", "abs()")
+            amax = r.new(blocks, 4, "temporaries", "amax()")
+            r.rel(absolute)
+            clamp = r.new(blocks, 4, "temporaries", "clamp()")
+            normalized = r.new(padded, 4, "temporaries", "normalized")
+            r.rel(clamp)
+            total = r.new(entries - 1, 4, "temporaries", "codebook[1:] + codebook[:-1]")
+            midpoints = r.new(entries - 1, 4, "temporaries", "midpoints")
+            r.rel(total)
+            bucket = r.new(padded, 8, "temporaries", "bucketize()")
+            codes = r.new(padded, 1, "temporaries", "codes uint8")
+            r.rel(bucket)
+            r.rel(pad, amax, normalized, midpoints, codes)
+        r.rel(grad, *moments, weights, denominator)
+
+
+def _adafactor_for_loop(r: _Replay, leaves: list[_Leaf]) -> None:
+    """torch.optim.Adafactor's for-loop: its locals (row_mean, col_mean, var_estimate, ...) live on to the next tensor."""
+    row_mean = col_mean = update = grad_squared = None
+    for leaf in leaves:
+        item = leaf.item
+        r.rel(r.new(1, item, "temporaries", "param.norm()"))
+        dims = leaf.shape
+        if len(dims) > 1:
+            rows, cols = math.prod(dims[:-1]), math.prod(dims[:-2]) * dims[-1]
+            new_row = r.new(rows, item, "temporaries", "row_mean")
+            r.rel(row_mean)
+            row_mean = new_row
+            new_col = r.new(cols, item, "temporaries", "col_mean")
+            r.rel(col_mean)
+            col_mean = new_col
+            estimate = r.new(leaf.numel, item, "temporaries", "row_var @ col_var")
+            r.rel(r.new(math.prod(dims[:-2]), item, "temporaries", "row_var.mean()"))
+        else:
+            squared = r.new(leaf.numel, item, "temporaries", "grad * grad")
+            r.rel(grad_squared)
+            grad_squared = squared
+            estimate = r.new(leaf.numel, item, "temporaries", "variance.clone()")
+        r.rel(update)                            # `update = var_estimate.clamp_(...)` drops the previous one
+        update = estimate
+        r.rel(r.new(1, item, "temporaries", "update.norm()"))
+    r.rel(row_mean, col_mean, update, grad_squared)
+
+
+def _adafactor_foreach(r: _Replay, leaves: list[_Leaf], host_scalars: bool) -> None:
+    """torch.optim.Adafactor's foreach: one pass per group (matrices, then vectors, in order of appearance)."""
+    groups: dict[bool, list[_Leaf]] = {}
+    for leaf in leaves:
+        groups.setdefault(len(leaf.shape) > 1, []).append(leaf)
+    updates: list[_T] = []
+    for multidim, members in groups.items():
+        if host_scalars:
+            r.rel(r.new(1, 4, "temporaries", "torch.tensor(1.0)"))
+        for leaf in members:
+            r.rel(r.new(1, leaf.item, "temporaries", "p.norm()"))
+        if multidim:
+            for axis in (-1, -2):
+                means = [r.new(math.prod(leaf.shape[:-1]) if axis == -1 else
+                               math.prod(leaf.shape[:-2]) * leaf.shape[-1], leaf.item, "temporaries", "norm")
+                         for leaf in members]
+                r.rel(*reversed(means))
+            estimates = [r.new(leaf.numel, leaf.item, "temporaries", "row_var @ col_var") for leaf in members]
+            row_var_means = [r.new(math.prod(leaf.shape[:-2]), leaf.item, "temporaries", "row_var.mean()")
+                             for leaf in members]
+            r.rel(*reversed(row_var_means))
+        else:
+            squared = [r.new(leaf.numel, leaf.item, "temporaries", "grad * grad") for leaf in members]
+            r.rel(*reversed(squared))
+            estimates = [r.new(leaf.numel, leaf.item, "temporaries", "variance.clone()") for leaf in members]
+        r.rel(*reversed(updates))                # `updates = var_estimates` drops the previous group's list
+        updates = estimates
+        for leaf in members:
+            r.rel(r.new(1, leaf.item, "temporaries", "update.norm()"))
+    r.rel(*reversed(updates))

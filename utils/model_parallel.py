@@ -1,0 +1,1014 @@
+"""Model parallelism on CPU ranks: tensor, sequence, pipeline and context parallelism, predicted and measured.
+
+Introduced in notebook 13 (model parallelism). Notebook 12 shards the model *state* over data-parallel
+ranks; this module splits the *computation*: the width of each layer (tensor parallelism, ``tp``), the
+sequence between the layers (sequence parallelism), the layers themselves (pipeline parallelism, ``pp``)
+and the sequence inside attention (context parallelism, ``cp``). It holds:
+
+* **The recipe** the notebook shows and this script runs (the notebook checks that its copy is this code):
+  ``tensor_parallel_plan`` (the Megatron layout as a ``parallelize_module`` plan), ``shard_2d`` (FSDP2 over
+  tensor parallelism on a 2-D mesh), ``make_pipeline_schedule`` (``torch.distributed.pipelining``) and
+  ``ring_attention`` (context parallelism by hand on notebook 11's online softmax).
+* **Predictions**: per-rank bytes of the model state (``predict_model_state_bytes``), of one block's
+  activations (``predict_block_activation_bytes``), the pipeline's bubble and micro-batches in flight, the
+  ring's key/value bytes and work per rank, and a whole-model calculator for Llama-shaped models on GPUs
+  (``predict_gpu_bytes``, ``smallest_fitting_layout``).
+* **The launched script**: ``launch`` spawns the ranks (gloo on the CPU) and reads each rank's JSON back;
+  ``python -m utils.model_parallel --out DIR`` does the same from a shell, and under ``torchrun`` it runs as
+  one rank (``python -m torch.distributed.run --standalone --nproc-per-node 4 -m utils.model_parallel --out
+  DIR``). Every argument the ranks depend on is checked before a process starts.
+
+Known limitations: the ranks run on the CPU with gloo, so bytes and collective counts are exact but no
+speed is meaningful; the pipeline schedules need torch >= ``PIPELINING_ON_GLOO_FROM`` (earlier versions
+hang on gloo, pytorch/pytorch#132644).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .checks import positive_int
+from .parallel import LaunchError, find_free_port
+
+# torch.distributed.pipelining's _batch_p2p waited on one of gloo's several Work objects per batch and hung
+# (pytorch/pytorch#132644); the fix (pull request #152938, May 2025) ships from torch 2.8 on
+PIPELINING_ON_GLOO_FROM = (2, 8)
+SCHEDULES = ("gpipe", "1f1b")
+MESH_DIMS = ("dp", "tp")
+
+
+# --- the model every rank builds ------------------------------------------------------------------------------
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with separate q, k, v, o projections (no bias, as in Llama).
+
+    The number of heads is read from the projection's output, so the same code runs on a tensor-parallel
+    rank that holds ``heads / tp`` of them.
+    """
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = width // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width, bias=False) for _ in range(4))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        q, k, v = (projection(h) for projection in (self.q, self.k, self.v))       # (B, L, heads·D) on this rank
+        batch, seq = q.shape[:2]
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))   # (B, H, L, D)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(attended.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """The MLP: ``up`` (width -> ffn), GELU, ``down`` (ffn -> width), no bias."""
+
+    def __init__(self, width: int, ffn: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, ffn, bias=False)
+        self.down = nn.Linear(ffn, width, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(h)))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, width: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(width)
+        self.attention = Attention(width, heads)
+        self.mlp_norm = nn.LayerNorm(width)
+        self.mlp = FeedForward(width, ffn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class BlockStack(nn.Module):
+    """``layers`` blocks in ``self.layers`` (a ModuleList): the model of sections 2 and 3."""
+
+    def __init__(self, layers: int, width: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(width, heads, ffn) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@dataclass
+class ModelParallelConfig:
+    """What every rank builds and runs; the notebook's parameters cell fills it.
+
+    Attributes:
+        width, heads, ffn, layers: the blocks (``ffn`` the MLP's hidden width).
+        batch, seq: the input of section 1 and 2 (one step), ``(batch, seq, width)``.
+        vocab: the output head of ``loss_parallel``.
+        micro_batches: the pipeline's micro-batches per step (the batch is ``micro_batches · batch``).
+        cp_seq: context parallelism's sequence length (split over all ranks).
+        world_size: ranks (4: a 2 x 2 mesh for section 2).
+        seed: every rank builds the same weights from it.
+        collective_timeout_s: a collective that waits longer fails instead of hanging.
+    """
+
+    width: int = 32
+    heads: int = 4
+    ffn: int = 128
+    layers: int = 4
+    batch: int = 2
+    seq: int = 16
+    vocab: int = 64
+    micro_batches: int = 4
+    cp_seq: int = 32
+    world_size: int = 4
+    seed: int = 0
+    collective_timeout_s: float = 60.0
+
+
+def make_block(config: ModelParallelConfig) -> Block:
+    """The block of section 1 (same seed on every rank, so the same weights)."""
+    torch.manual_seed(config.seed)
+    return Block(config.width, config.heads, config.ffn)
+
+
+def make_stack(config: ModelParallelConfig) -> BlockStack:
+    """The ``layers``-block model of sections 2 and 3."""
+    torch.manual_seed(config.seed + 1)
+    return BlockStack(config.layers, config.width, config.heads, config.ffn)
+
+
+def make_input(config: ModelParallelConfig, batch: int | None = None, seq: int | None = None,
+               offset: int = 0) -> torch.Tensor:
+    """A (batch, seq, width) input, the same on every rank."""
+    generator = torch.Generator().manual_seed(config.seed + 100 + offset)
+    return torch.randn(batch or config.batch, seq or config.seq, config.width, generator=generator)
+
+
+# --- checks: everything a launch depends on, before a process starts -------------------------------------------
+
+def check_mesh(world_size: int, shape: Sequence[int]) -> tuple[int, ...]:
+    """``shape`` if its product is ``world_size``; a ValueError naming the sizes that would work otherwise."""
+    positive_int("world_size", world_size)
+    shape = tuple(shape)
+    for size in shape:
+        positive_int("each mesh dimension", size)
+    if math.prod(shape) != world_size:
+        options = [f"({a}, {world_size // a})" for a in range(1, world_size + 1) if world_size % a == 0]
+        raise ValueError(f"a device mesh of shape {shape} needs {math.prod(shape)} ranks, not {world_size}: "
+                         f"expected a shape whose sizes multiply to the world size, e.g. {', '.join(options)}")
+    return shape
+
+
+def check_tensor_parallel(width: int, heads: int, ffn: int, tp: int) -> None:
+    """Tensor parallelism splits the heads and the MLP's hidden width evenly: a ValueError if ``tp`` does not."""
+    positive_int("tp", tp)
+    for name, size in (("width", width), ("heads", heads), ("ffn", ffn)):
+        positive_int(name, size)
+        if size % tp:
+            raise ValueError(f"{name} = {size} is not divisible by the tensor-parallel degree tp = {tp}: expected a "
+                             f"tp that divides the width ({width}), the heads ({heads}) and the MLP width ({ffn})")
+
+
+def check_pipeline(layers: int, stages: int, micro_batches: int) -> None:
+    """A pipeline needs one layer per stage or more, the same number on each, and (1F1B) ``micro_batches >= stages``."""
+    positive_int("layers", layers)
+    positive_int("stages", stages)
+    positive_int("micro_batches", micro_batches)
+    if stages > layers:
+        raise ValueError(f"{stages} pipeline stages for {layers} layers: expected at most one stage per layer "
+                         f"(stages <= {layers})")
+    if layers % stages:
+        raise ValueError(f"{layers} layers do not split evenly into {stages} stages: expected a number of stages "
+                         f"that divides {layers}")
+    if micro_batches < stages:
+        raise ValueError(f"{micro_batches} micro-batches for {stages} stages: 1F1B expects at least as many "
+                         f"micro-batches as stages (expected >= {stages})")
+
+
+def check_context_parallel(seq: int, cp: int) -> None:
+    """The load-balanced causal split cuts the sequence into ``2·cp`` equal chunks: a ValueError otherwise."""
+    positive_int("seq", seq)
+    positive_int("cp", cp)
+    if seq % (2 * cp):
+        raise ValueError(f"a sequence of {seq} tokens cannot be split over cp = {cp} ranks: expected a length "
+                         f"divisible by 2·cp = {2 * cp} (two chunks per rank for the load-balanced causal split)")
+
+
+def check_config(config: ModelParallelConfig) -> ModelParallelConfig:
+    """Every check a launch needs, for the layouts the script runs: tp = world, a 2 x 2 mesh, pp = world, cp = world."""
+    world = config.world_size
+    check_mesh(world, (2, world // 2))   # section 2's mesh: 2 data-parallel x world/2 tensor-parallel
+    check_tensor_parallel(config.width, config.heads, config.ffn, world)
+    check_tensor_parallel(config.width, config.heads, config.ffn, world // 2)
+    if config.seq % world:
+        raise ValueError(f"seq = {config.seq} is not divisible by tp = {world}: sequence parallelism splits the "
+                         f"sequence between the blocks, so expected a multiple of {world}")
+    check_pipeline(config.layers, world, config.micro_batches)
+    check_context_parallel(config.cp_seq, world)
+    if config.width % config.heads:
+        raise ValueError(f"width {config.width} is not divisible by heads {config.heads}: expected whole heads")
+    return config
+
+
+# --- 1. the recipe: tensor and sequence parallelism --------------------------------------------------------------
+
+def tensor_parallel_plan(sequence_parallel: bool = False) -> dict:
+    """The Megatron layout of one block as a parallelize_module plan (module name -> how to split it)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+    # between blocks the activations are whole on every rank, or (sequence parallel) split along the sequence
+    between = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        # one all-gather (SP) or nothing (TP) turns the norm's output into the whole input of q, k and v
+        "attention": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+        "attention.q": ColwiseParallel(), "attention.k": ColwiseParallel(), "attention.v": ColwiseParallel(),
+        "attention.o": RowwiseParallel(output_layouts=between),     # the all-reduce (TP) or reduce-scatter (SP)
+        "mlp": PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),)),
+        "mlp.up": ColwiseParallel(),                                  # each rank: ffn / tp hidden units
+        "mlp.down": RowwiseParallel(output_layouts=between),
+    }
+    if sequence_parallel:   # the norms work on 1/tp of the tokens each, outside the all-gather
+        plan |= {"attention_norm": SequenceParallel(), "mlp_norm": SequenceParallel()}
+    return plan
+
+
+def parallel_loss(head: nn.Linear, mesh: Any, hidden: torch.Tensor, labels: torch.Tensor) -> tuple:
+    """Cross-entropy over logits split by the vocabulary: no rank ever holds all of them."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+    parallelize_module(head, mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+    logits = head(hidden)                      # a DTensor: (B, L, vocab / tp) on each rank
+    with loss_parallel():                      # the softmax's max and sum are all-reduced, not the logits
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss.backward()
+    return loss, logits
+
+
+def shard_2d(model: nn.Module, mesh: Any) -> nn.Module:
+    """FSDP2 over tensor parallelism: each block split over mesh["tp"], its shards sharded again over mesh["dp"]."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    for block in model.layers:
+        parallelize_module(block, mesh["tp"], tensor_parallel_plan())   # within a node: fast links
+        fully_shard(block, mesh=mesh["dp"])                            # across nodes: one all-gather per block
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+# --- 3. the recipe: pipeline parallelism --------------------------------------------------------------------------
+
+def make_pipeline_schedule(stage_module: nn.Module, stage_index: int, num_stages: int, micro_batches: int,
+                           loss_fn: Callable, schedule: str = "1f1b") -> Any:
+    """One rank's pipeline stage and its schedule: GPipe (all forwards, then all backwards) or 1F1B."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    stage = PipelineStage(stage_module, stage_index, num_stages, torch.device("cpu"))
+    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    # the schedule cuts each batch into micro_batches along dim 0 and sends activations between the stages
+    return schedule_class(stage, n_microbatches=micro_batches, loss_fn=loss_fn)
+
+
+def pipeline_step(schedule: Any, stage_index: int, num_stages: int, inputs: torch.Tensor,
+                  targets: torch.Tensor) -> list[torch.Tensor]:
+    """One training step: the first stage feeds the batch, the last computes the losses, the others relay."""
+    losses: list[torch.Tensor] = []
+    feeds = (inputs,) if stage_index == 0 else ()                     # a one-stage pipeline does both
+    scores = {"target": targets, "losses": losses} if stage_index == num_stages - 1 else {}
+    schedule.step(*feeds, **scores)
+    return losses          # one per micro-batch, on the last stage only
+
+
+# --- 4. the recipe: context parallelism (ring attention) ----------------------------------------------------------
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+                   kv_positions: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Causal attention of this rank's queries over every rank's keys: the k/v chunks travel round the ring."""
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    running_max = torch.full(q.shape[:-1] + (1,), float("-inf"))            # (B, H, Lq, 1): notebook 11's
+    running_sum, output, blocks = torch.zeros_like(running_max), torch.zeros_like(q), 0   # online softmax
+    for step in range(world):
+        if step < world - 1:       # pass our chunk on (and receive the previous rank's) while we compute
+            incoming = [torch.empty_like(t) for t in (k, v, kv_positions)]
+            sends = [dist.P2POp(dist.isend, t, (rank + 1) % world) for t in (k, v, kv_positions)]
+            requests = dist.batch_isend_irecv(sends + [dist.P2POp(dist.irecv, t, (rank - 1) % world) for t in incoming])
+        allowed = kv_positions[None, :] <= q_positions[:, None]              # (Lq, Lk): no key after the query
+        if allowed.any():                                                    # a chunk wholly in the future: skipped
+            scores = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(~allowed, float("-inf"))
+            new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
+            rescale, weights = torch.exp(running_max - new_max), torch.exp(scores - new_max)
+            running_sum = running_sum * rescale + weights.sum(dim=-1, keepdim=True)
+            output, running_max, blocks = output * rescale + weights @ v, new_max, blocks + 1
+        if step < world - 1:
+            for request in requests:
+                request.wait()
+            k, v, kv_positions = incoming
+    return output / running_sum, blocks
+
+
+def sequence_chunks(seq: int, cp: int, rank: int, balanced: bool) -> torch.Tensor:
+    """The positions rank ``rank`` holds: one contiguous 1/cp, or (balanced) chunks ``rank`` and ``2cp-1-rank``."""
+    if seq % (2 * cp):
+        raise ValueError(f"a sequence of {seq} tokens cannot be split over cp = {cp} ranks: expected a length "
+                         f"divisible by 2·cp = {2 * cp} (two chunks per rank for the load-balanced causal split)")
+    if not balanced:
+        size = seq // cp
+        return torch.arange(rank * size, (rank + 1) * size)
+    size = seq // (2 * cp)
+    first, second = rank, 2 * cp - 1 - rank
+    return torch.cat([torch.arange(first * size, (first + 1) * size), torch.arange(second * size, (second + 1) * size)])
+
+
+# --- predictions --------------------------------------------------------------------------------------------------
+
+def block_parameter_split(width: int, ffn: int) -> tuple[int, int, int]:
+    """Elements of one ``Block`` that tensor parallelism splits (q, k, v, o, up, down), that it replicates (the two
+    LayerNorms' weight and bias), and the number of parameter tensors."""
+    return 4 * width * width + 2 * width * ffn, 4 * width, 10
+
+
+def predict_model_state_bytes(sharded: int, replicated: int, num_tensors: int, *, tp: int = 1, dp: int = 1,
+                              pp: int = 1, zero: int = 3, bytes_per_parameter: int = 16,
+                              counter_bytes: int = 4) -> int:
+    """Bytes of model state (weights, gradients, optimizer state) one rank holds.
+
+    ``sharded`` elements are split by tensor parallelism (1/tp), ``replicated`` ones are not; pipeline
+    parallelism gives each rank 1/pp of the layers; with ZeRO-3 / FSDP (``zero=3``) the data-parallel
+    ranks split the rest again (1/dp), with ``zero=0`` (DDP) they do not, with ``zero=1`` only the
+    optimizer state (and master weights) is split.
+
+    Args:
+        sharded, replicated: parameter elements of the whole model by kind.
+        num_tensors: parameter tensors of the whole model (Adam's 4-byte step counter each; FSDP and TP keep
+            one per tensor on every rank; a pipeline stage holds 1/pp of them).
+        tp, dp, pp: degrees.
+        zero: 0, 1 or 3.
+        bytes_per_parameter: 16 for AdamW in fp32 (4 weight + 4 gradient + 8 moments) or in mixed precision
+            (2 + 2 + 4 master + 8).
+        counter_bytes: per tensor (4 for Adam's step; 0 to leave it out).
+
+    Returns:
+        Bytes per rank (the division rounds up: a shard is never smaller than 1/N).
+    """
+    for name, value in (("tp", tp), ("dp", dp), ("pp", pp)):
+        positive_int(name, value)
+    if zero not in (0, 1, 3):
+        raise ValueError(f"zero must be 0 (DDP), 1 (optimizer state sharded) or 3 (FSDP), got {zero!r}")
+    elements = sharded / (tp * pp) + replicated / pp
+    if zero == 3:
+        per_rank = elements * bytes_per_parameter / dp
+    elif zero == 1:
+        weights_and_grads = 4 if bytes_per_parameter == 16 else bytes_per_parameter // 2
+        per_rank = elements * (weights_and_grads + (bytes_per_parameter - weights_and_grads) / dp)
+    else:
+        per_rank = elements * bytes_per_parameter
+    return math.ceil(per_rank) + counter_bytes * math.ceil(num_tensors / pp)
+
+
+def predict_block_activation_bytes(batch: int, seq: int, width: int, heads: int, ffn: int, *, tp: int = 1,
+                                   sequence_parallel: bool = False, element_bytes: int = 4) -> dict[str, int]:
+    """Bytes one ``Block`` keeps for backward on one tensor-parallel rank, by where they live.
+
+    In one process the block keeps (B = batch, L = seq, C = width, F = ffn, H = heads): its input x and the
+    mid-block residual (the norms' inputs, B·L·C each), both norms' outputs (the q/k/v and up projections'
+    input, B·L·C each), the norms' mean and reciprocal std (2·B·L each); q, k, v and the attention output
+    (B·L·C each: the output is o's input too), the fused kernel's log-sum-exp (B·H·L, fp32), the MLP's
+    hidden layer before and after GELU (B·L·F each).
+
+    Tensor parallelism splits heads and F: q, k, v, the attention output, the log-sum-exp and the two
+    hidden layers are 1/tp per rank ("sharded"); the rest is whole on every rank ("replicated").
+    Sequence parallelism also splits x, the residual and the norms' statistics along the sequence (1/tp),
+    but the norms' outputs are all-gathered before q, k, v and up use them, and those whole tensors are
+    what the projections keep ("gathered"): DTensor keeps the gathered input, Megatron-LM keeps its shard
+    and gathers it again in backward.
+
+    Returns:
+        ``{"replicated": ..., "sharded": ..., "seq_sharded": ..., "gathered": ..., "total": ...}`` bytes.
+    """
+    check_tensor_parallel(width, heads, ffn, tp)
+    b, s, c, f, h, e = batch, seq, width, ffn, heads, element_bytes
+    sharded = (4 * b * s * c * e + b * h * s * 4 + 2 * b * s * f * e) // tp
+    stream = 2 * b * s * c * e + 2 * 2 * b * s * 4          # x, residual, two norms' mean and rstd (fp32)
+    norm_outputs = 2 * b * s * c * e
+    if sequence_parallel:
+        parts = {"replicated": 0, "sharded": sharded, "seq_sharded": stream // tp, "gathered": norm_outputs}
+    else:
+        parts = {"replicated": stream + norm_outputs, "sharded": sharded, "seq_sharded": 0, "gathered": 0}
+    return parts | {"total": sum(parts.values())}
+
+
+def predict_collectives(sequence_parallel: bool) -> dict[str, dict[str, int]]:
+    """Collectives of one block on a tensor-parallel rank, forward and backward (the Megatron layout).
+
+    Without sequence parallelism: forward all-reduces the outputs of o and down (Megatron's "g"), backward
+    all-reduces the gradients of the attention's and the MLP's inputs (its "f"): two each way. With
+    sequence parallelism each all-reduce becomes a reduce-scatter and each identity an all-gather: two
+    all-gathers and two reduce-scatters each way, the same bytes on the wire.
+    """
+    if sequence_parallel:
+        one_way = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+        return {"forward": dict(one_way), "backward": dict(one_way)}
+    return {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
+
+
+def bubble_fraction(stages: int, micro_batches: int) -> float:
+    """GPipe's and 1F1B's idle fraction with equal forward and backward times: (p - 1) / (m + p - 1)."""
+    positive_int("stages", stages)
+    positive_int("micro_batches", micro_batches)
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def gpipe_in_flight(stage: int, stages: int, micro_batches: int) -> int:
+    """Micro-batches whose activations a GPipe stage holds at its peak: all of them (every forward comes first)."""
+    positive_int("stages", stages)
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage must be in 0..{stages - 1}, got {stage!r}")
+    return micro_batches
+
+
+def logical_timeline(orders: Sequence[Sequence[tuple[str, int]]]) -> list[list[tuple[str, int] | None]]:
+    """Replay each stage's executed order of forwards ("F", i) and backwards ("B", i) in unit time steps.
+
+    A forward of micro-batch i on stage s waits for stage s-1's forward of i; a backward waits for stage s+1's
+    backward of i (the last stage's for its own forward); each stage does one action per step, in its own
+    order. Returns, per stage, the action of each step (None: idle, the bubble).
+    """
+    stages = len(orders)
+    done: dict[tuple[int, str, int], int] = {}
+    position = [0] * stages
+    timeline: list[list[tuple[str, int] | None]] = [[] for _ in range(stages)]
+    step = 0
+    while any(position[s] < len(orders[s]) for s in range(stages)):
+        ready = []
+        for s in range(stages):
+            if position[s] == len(orders[s]):
+                ready.append(None)
+                continue
+            kind, micro = orders[s][position[s]]
+            needs = ((s - 1, "F", micro) if s > 0 else None) if kind == "F" else \
+                ((s + 1, "B", micro) if s < stages - 1 else (s, "F", micro))
+            ready.append((kind, micro) if needs is None or done.get(needs, step) < step else None)
+        for s, action in enumerate(ready):
+            timeline[s].append(action)
+            if action is not None:
+                done[(s, *action)] = step
+                position[s] += 1
+        step += 1
+        if step > 10 * sum(len(o) for o in orders) + 10:
+            raise RuntimeError("the stages' orders deadlock: a stage waits for an action no stage will do")
+    return timeline
+
+
+def timeline_bubble(timeline: Sequence[Sequence[Any]]) -> float:
+    """The idle fraction of a logical timeline: empty slots over stages x steps."""
+    slots = len(timeline) * len(timeline[0])
+    return sum(action is None for row in timeline for action in row) / slots
+
+
+def max_in_flight(order: Sequence[tuple[str, int]]) -> int:
+    """The most micro-batches a stage held at once: forwards done whose backward has not run yet."""
+    held, peak = 0, 0
+    for kind, _ in order:
+        held += 1 if kind == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def ring_blocks_per_rank(seq: int, cp: int, balanced: bool) -> list[int]:
+    """Key/value chunks each rank's queries attend to in a causal ring (a chunk wholly in the future is skipped)."""
+    check_context_parallel(seq, cp)
+    counts = []
+    for rank in range(cp):
+        queries = sequence_chunks(seq, cp, rank, balanced)
+        counts.append(sum(bool((sequence_chunks(seq, cp, other, balanced)[None, :] <= queries[:, None]).any())
+                          for other in range(cp)))
+    return counts
+
+
+def ring_work_per_rank(seq: int, cp: int, balanced: bool) -> list[int]:
+    """Query-key pairs each rank computes in a causal ring (the triangle's share of each rank)."""
+    check_context_parallel(seq, cp)
+    return [int((torch.arange(seq)[None, :] <= sequence_chunks(seq, cp, r, balanced)[:, None]).sum())
+            for r in range(cp)]
+
+
+# --- 5. what fits: the whole model on GPUs ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """A Llama-style decoder: the shapes the GPU calculator needs (grouped-query attention, SwiGLU MLP)."""
+
+    name: str
+    layers: int
+    width: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+
+    @property
+    def layer_parameters(self) -> int:
+        """Elements of one layer: q and o (width²), k and v (width · kv width), the three MLP matrices, two norms."""
+        kv_width = self.width // self.heads * self.kv_heads
+        return 2 * self.width ** 2 + 2 * self.width * kv_width + 3 * self.width * self.ffn + 2 * self.width
+
+    @property
+    def parameters(self) -> int:
+        """Every element: the layers, the embedding and the (untied) output head, the final norm."""
+        return self.layers * self.layer_parameters + 2 * self.vocab * self.width + self.width
+
+
+LLAMA2_70B = TransformerShape("Llama 2 70B", layers=80, width=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000)
+LLAMA3_405B = TransformerShape("405B-shaped", layers=126, width=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: data (with a ZeRO stage), tensor (with sequence parallelism), pipeline, context degrees."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero: int = 3
+
+    @property
+    def gpus(self) -> int:
+        """dp · tp · pp · cp."""
+        return self.dp * self.tp * self.pp * self.cp
+
+    def label(self) -> str:
+        """e.g. ``dp8 (ZeRO-3) × tp8 × pp2``."""
+        parts = [f"dp{self.dp} ({['DDP', 'ZeRO-1', '', 'FSDP'][self.zero]})"] if self.dp > 1 else []
+        degrees = (("tp", self.tp), ("pp", self.pp), ("cp", self.cp))
+        parts += [f"{name}{degree}" for name, degree in degrees if degree > 1]
+        return " × ".join(parts) or "one GPU"
+
+
+def predict_gpu_bytes(shape: TransformerShape, layout: Layout, *, seq: int = 4096, micro_batch: int = 1,
+                      micro_batches: int | None = None) -> dict[str, int]:
+    """Bytes on the busiest GPU (pipeline stage 0: the most layers, and the embedding) for one training step.
+
+    Model state: AdamW in mixed precision, 16 bytes per parameter (``predict_model_state_bytes``, the formula
+    notebook 13 validates to the byte on the CPU): the layers' matrices split 1/tp, the norms replicated,
+    stage 0 holding ceil(L/pp) layers and the embedding (split 1/tp over the vocabulary; the head and the final
+    norm go to the last stage, the same one when pp = 1), the rest split by the data-parallel ZeRO stage. With
+    FSDP (ZeRO-3 over dp > 1) each GPU also holds one gathered layer's 16-bit weights (1/tp of them) and the next
+    one, prefetched.
+    Activations, bf16, with full activation checkpointing (each layer keeps only its input, 2·s·b·h bytes,
+    split 1/tp by sequence parallelism and 1/cp by context parallelism): 1F1B's stage 0 holds
+    ``min(pp, micro_batches)`` micro-batches in flight, each with its layers' inputs; plus one layer's
+    recomputed working set while its backward runs (34·s·b·h bytes split 1/tp and 1/cp: Korthikanti et al.'s
+    count with sequence parallelism and a fused attention kernel). Not counted: the logits (on the last
+    stage), temporary buffers of the collectives, the allocator's fragmentation.
+
+    Args:
+        shape: the model.
+        layout: the degrees and the ZeRO stage.
+        seq, micro_batch: tokens per sequence, sequences per micro-batch.
+        micro_batches: per step (default: ``pp``, the fewest 1F1B runs with).
+
+    Returns:
+        ``{"model state": ..., "gathered layers": ..., "checkpointed inputs": ..., "one layer recomputed": ...,
+        "total": ...}``, bytes.
+    """
+    check_context_parallel(seq, layout.cp)
+    positive_int("micro_batch", micro_batch)
+    stage_layers = math.ceil(shape.layers / layout.pp)
+    matrices = shape.layer_parameters - 2 * shape.width
+    ends = 1 if layout.pp > 1 else 2      # the embedding; with one stage also the head (and the final norm)
+    state = predict_model_state_bytes(stage_layers * matrices + ends * shape.vocab * shape.width,
+                                      stage_layers * 2 * shape.width + (ends - 1) * shape.width,
+                                      9 * stage_layers + 2 * ends - 1, tp=layout.tp, dp=layout.dp, zero=layout.zero)
+    gathered = 2 * 2 * matrices // layout.tp if layout.zero == 3 and layout.dp > 1 else 0
+    tokens = seq * micro_batch // (layout.tp * layout.cp)
+    in_flight = min(layout.pp, micro_batches or layout.pp)
+    parts = {"model state": state, "gathered layers": gathered,
+             "checkpointed inputs": in_flight * stage_layers * 2 * tokens * shape.width,
+             "one layer recomputed": 34 * tokens * shape.width}
+    return parts | {"total": sum(parts.values())}
+
+
+def candidate_layouts(max_gpus: int = 4096, tp_degrees: Sequence[int] = (1, 2, 4, 8),
+                      pp_degrees: Sequence[int] = (1, 2, 4, 8, 16), cp_degrees: Sequence[int] = (1, 2, 4),
+                      zero_stages: Sequence[int] = (0, 1, 3)) -> list[Layout]:
+    """Every layout with power-of-two degrees up to ``max_gpus`` GPUs (tp within one 8-GPU node)."""
+    layouts = []
+    for tp, pp, cp, zero in itertools.product(tp_degrees, pp_degrees, cp_degrees, zero_stages):
+        dp = 1
+        while dp * tp * pp * cp <= max_gpus:
+            if zero == 0 or dp > 1:
+                layouts.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero))
+            dp *= 2
+    return layouts
+
+
+def smallest_fitting_layout(shape: TransformerShape, card_bytes: float, *, seq: int = 4096,
+                            layouts: Sequence[Layout] | None = None) -> tuple[Layout, dict[str, int]] | None:
+    """The layout with the fewest GPUs whose busiest GPU fits ``card_bytes`` (ties: the least memory per GPU)."""
+    best = None
+    for layout in layouts or candidate_layouts():
+        if seq % (2 * layout.cp):
+            continue
+        need = predict_gpu_bytes(shape, layout, seq=seq)
+        if need["total"] <= card_bytes:
+            key = (layout.gpus, need["total"])
+            if best is None or key < best[0]:
+                best = (key, layout, need)
+    return None if best is None else (best[1], best[2])
+
+
+# --- what a rank measures -----------------------------------------------------------------------------------------
+
+class SavedActivations:
+    """Counts the bytes autograd keeps for backward, live, on this rank (local shards of DTensors).
+
+    A pack hook wraps each saved tensor's storage in a holder; a finalizer subtracts its bytes when autograd
+    drops the holder (after the backward that used it). Parameters (and their shards) are not counted.
+    ``live`` is the count now, ``peak`` the highest so far.
+    """
+
+    def __init__(self, exclude: nn.Module | None = None, also: Sequence[torch.Tensor] = ()) -> None:
+        tensors = [*([] if exclude is None else exclude.parameters()), *also]    # also: e.g. the whole batch
+        self.excluded = {_local(t).untyped_storage().data_ptr() for t in tensors}
+        self.live, self.peak, self._counts = 0, 0, {}
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        storage = _local(tensor).untyped_storage()
+        key = storage.data_ptr()
+        holder = _Holder(tensor)
+        if key not in self.excluded:
+            if self._counts.get(key, 0) == 0:
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+            self._counts[key] = self._counts.get(key, 0) + 1
+            weakref.finalize(holder, self._release, key, storage.nbytes())
+        return holder
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self._counts[key] -= 1
+        if self._counts[key] == 0:
+            self.live -= nbytes
+
+    def hooks(self) -> Any:
+        """The ``saved_tensors_hooks`` context that counts."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda holder: holder.tensor)
+
+
+class _Holder:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def local_bytes(tensors: Any) -> int:
+    """Bytes of the distinct local storages behind tensors (DTensors count their shard on this rank)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = _local(tensor).untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state, read from the tensors themselves."""
+    parameters = list(model.parameters())
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"parameters": local_bytes(parameters), "gradients": local_bytes(p.grad for p in parameters),
+            "optimizer": local_bytes(state)}
+
+
+def _comm_counts(comm: Any) -> dict[str, int]:
+    return {str(op).split(".")[-1].rstrip("'>)").split("'")[0]: count for op, count in comm.get_comm_counts().items()}
+
+
+def _timed(function: Callable[[], Any]) -> tuple[Any, float]:
+    began = time.perf_counter()
+    value = function()
+    return value, (time.perf_counter() - began) * 1000
+
+
+# --- the parts each rank runs ----------------------------------------------------------------------------------
+
+def _tensor_parallel_part(config: ModelParallelConfig, rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import parallelize_module
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    reference = make_block(config)
+    x = make_input(config).requires_grad_()
+    reference_out = reference(x)
+    reference_out.square().mean().backward()
+    record: dict[str, Any] = {}
+    for sp in (False, True):
+        name = "sp" if sp else "tp"
+        block = make_block(config)
+        parallelize_module(block, mesh, tensor_parallel_plan(sequence_parallel=sp))
+        optimizer = torch.optim.AdamW(block.parameters(), lr=1e-3, foreach=False)
+        rows = slice(rank * config.seq // world, (rank + 1) * config.seq // world) if sp else slice(None)
+        local_x = x.detach()[:, rows].clone().requires_grad_()      # SP: this rank's slice of the sequence
+        saved = SavedActivations(exclude=block)
+        with CommDebugMode() as forward_comm, saved.hooks():
+            out = block(local_x)
+        activation_bytes = saved.live
+        with CommDebugMode() as backward_comm:
+            # the mean over the whole output: SP ranks hold 1/tp of it, so scale to the same loss
+            (out.square().sum() / reference_out.numel()).backward()
+        optimizer.step()
+        record[name] = {
+            "max_output_error": (out.detach() - reference_out.detach()[:, rows]).abs().max().item(),
+            "max_input_grad_error": (local_x.grad - x.grad[:, rows]).abs().max().item(),
+            "forward_collectives": _comm_counts(forward_comm), "backward_collectives": _comm_counts(backward_comm),
+            "activation_bytes": activation_bytes, "state_bytes": model_state_bytes(block, optimizer),
+            "output_shape": list(out.shape),
+            "local_parameter_shapes": {n: list(_local(p).shape) for n, p in block.named_parameters()},
+        }
+    record["loss_parallel"] = _loss_parallel_part(config, mesh)
+    return record
+
+
+def _loss_parallel_part(config: ModelParallelConfig, mesh: Any) -> dict:
+    torch.manual_seed(config.seed + 2)
+    head = nn.Linear(config.width, config.vocab, bias=False)
+    reference = nn.Linear(config.width, config.vocab, bias=False)
+    reference.load_state_dict(head.state_dict())
+    hidden = make_input(config, offset=1)
+    labels = torch.randint(0, config.vocab, (config.batch, config.seq), generator=torch.Generator().manual_seed(3))
+    loss, logits = parallel_loss(head, mesh, hidden, labels)
+    reference_loss = F.cross_entropy(reference(hidden).flatten(0, 1), labels.flatten())
+    reference_loss.backward()
+    return {"loss_error": abs(loss.full_tensor().item() - reference_loss.item()),
+            "weight_grad_error": (head.weight.grad.full_tensor() - reference.weight.grad).abs().max().item(),
+            "local_logits_bytes": _local(logits).untyped_storage().nbytes(),
+            "full_logits_bytes": config.batch * config.seq * config.vocab * 4}
+
+
+def _two_d_part(config: ModelParallelConfig, rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from .memory import measure_memory
+    x = make_input(config, offset=2)
+    reference = make_stack(config)
+    reference_loss = reference(x).square().mean()
+    record = {}
+    meshes = {"fsdp": init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)),      # built outside the
+              "tp": init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)),        # measured region
+              "fsdp+tp": init_device_mesh("cpu", (2, world // 2), mesh_dim_names=MESH_DIMS)}
+    for layout, mesh in meshes.items():
+        with measure_memory("cpu", timeline=False, watch_resizes=True) as memory:   # FSDP2 frees by resizing
+            model = make_stack(config)
+            if layout == "fsdp":
+                for block in model.layers:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+            elif layout == "tp":
+                for block in model.layers:
+                    parallelize_module(block, mesh, tensor_parallel_plan())
+            else:
+                shard_2d(model, mesh)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+            loss = model(x).square().mean()
+            loss.backward()
+            optimizer.step()
+            loss = loss.item()
+        record[layout] = {"state_bytes": model_state_bytes(model, optimizer), "tracked_end_bytes": memory.end_bytes,
+                          "loss_error": abs(loss - reference_loss.item())}
+    return record
+
+
+def _pipeline_part(config: ModelParallelConfig, rank: int, world: int) -> dict:
+    stages, per_stage = world, config.layers // world
+    batch = config.micro_batches * config.batch
+    inputs, targets = make_input(config, batch=batch, offset=3), make_input(config, batch=batch, offset=4)
+    reference = make_stack(config)
+    F.mse_loss(reference(inputs), targets).backward()          # one process: the whole model, the whole batch
+    reference_grads = [p.grad for layer in reference.layers[rank * per_stage:(rank + 1) * per_stage]
+                       for p in layer.parameters()]
+    record = {}
+    for schedule_name in SCHEDULES:
+        stage_module = nn.Sequential(*make_stack(config).layers[rank * per_stage:(rank + 1) * per_stage])
+        schedule = make_pipeline_schedule(stage_module, rank, stages, config.micro_batches, F.mse_loss,
+                                          schedule_name)
+        stage, order = schedule._stage, []
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+        def forward_logged(micro, *args, _forward=forward, **kwargs):   # the schedule's own steps, as run
+            order.append(("F", micro))
+            return _forward(micro, *args, **kwargs)
+
+        def backward_logged(micro, *args, _backward=backward, **kwargs):
+            order.append(("B", micro))
+            return _backward(micro, *args, **kwargs)
+
+        stage.forward_one_chunk, stage.backward_one_chunk = forward_logged, backward_logged
+        pipeline_step(schedule, rank, stages, inputs, targets)    # the first step also infers the shapes: unmeasured
+        stage_module.zero_grad(set_to_none=True)
+        order.clear()
+        saved = SavedActivations(exclude=stage_module, also=[inputs, targets])   # the batch is there anyway
+        with saved.hooks():
+            losses, step_ms = _timed(lambda: pipeline_step(schedule, rank, stages, inputs, targets))
+        grad_error = max((p.grad - g).abs().max().item() for p, g in zip(stage_module.parameters(), reference_grads))
+        # one micro-batch alone: the same stage run by a one-micro-batch GPipe, measured the same way
+        single = make_pipeline_schedule(stage_module, rank, stages, 1, F.mse_loss, "gpipe")
+        pipeline_step(single, rank, stages, inputs[:config.batch], targets[:config.batch])
+        one = SavedActivations(exclude=stage_module, also=[inputs, targets])
+        with one.hooks():
+            pipeline_step(single, rank, stages, inputs[:config.batch], targets[:config.batch])
+        record[schedule_name] = {"order": order, "peak_saved_bytes": saved.peak, "one_micro_batch_bytes": one.peak,
+                                 "max_grad_error": grad_error, "step_ms": step_ms,
+                                 "losses": [loss.item() for loss in losses],
+                                 "parameter_bytes": local_bytes(stage_module.parameters())}
+    return record
+
+
+def _context_parallel_part(config: ModelParallelConfig, rank: int, world: int) -> dict:
+    heads, head_dim, seq = config.heads, config.width // config.heads, config.cp_seq
+    generator = torch.Generator().manual_seed(config.seed + 5)
+    q, k, v = (torch.randn(config.batch, heads, seq, head_dim, generator=generator) for _ in range(3))
+    reference = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    record = {"full_kv_bytes": 2 * k.untyped_storage().nbytes()}
+    for balanced in (False, True):
+        positions = sequence_chunks(seq, world, rank, balanced)
+        local_q, local_k, local_v = (t[:, :, positions].contiguous() for t in (q, k, v))
+        out, blocks = ring_attention(local_q, local_k, local_v, positions, positions.clone())
+        record["balanced" if balanced else "contiguous"] = {
+            "max_error": (out - reference[:, :, positions]).abs().max().item(), "blocks": blocks,
+            "local_kv_bytes": local_bytes([local_k, local_v])}
+    return record
+
+
+PARTS = {"tp": _tensor_parallel_part, "2d": _two_d_part, "pp": _pipeline_part, "cp": _context_parallel_part}
+
+
+def run_rank(rank: int, world: int, config: ModelParallelConfig, out: Path,
+             parts: Sequence[str] = tuple(PARTS)) -> dict:
+    """Everything one rank measures, part after part, in one process group; writes ``<out>/rank<r>.json``."""
+    import datetime as dt
+
+    import torch.distributed as dist
+    torch.set_num_threads(1)        # the ranks share the machine's cores
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=dt.timedelta(seconds=config.collective_timeout_s))
+    record: dict[str, Any] = {"rank": rank, "world_size": world, "torch": torch.__version__, "seconds": {}}
+    try:
+        for part in parts:
+            began = time.perf_counter()
+            record[part] = PARTS[part](config, rank, world)
+            record["seconds"][part] = time.perf_counter() - began
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+@dataclass
+class ModelParallelRun:
+    """What ``launch`` returns: each rank's record (by rank), the wall time of the launch, the folder."""
+
+    ranks: list[dict]
+    seconds: float
+    out: Path
+    config: ModelParallelConfig = field(default_factory=ModelParallelConfig)
+
+
+def check_torch_version(version: str | None = None) -> None:
+    """A RuntimeError if this torch is older than ``PIPELINING_ON_GLOO_FROM`` (its pipelining hangs on gloo)."""
+    version = version or torch.__version__
+    found = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    if found < PIPELINING_ON_GLOO_FROM:
+        raise RuntimeError(f"torch {version}: torch.distributed.pipelining hangs on gloo before torch "
+                           f"{'.'.join(map(str, PIPELINING_ON_GLOO_FROM))} (pytorch/pytorch#132644): expected torch >= "
+                           f"{'.'.join(map(str, PIPELINING_ON_GLOO_FROM))}")
+
+
+# Each rank is a fresh Python (spawned, not forked) that imports only this module and what it uses, through a stub
+# ``utils`` package: the package's __init__ imports matplotlib for the notebooks' plots, which a rank never draws
+_RANK_BOOT = ("import sys, types\n"
+              "package = types.ModuleType('utils'); package.__path__ = [sys.argv[1]]; sys.modules['utils'] = package\n"
+              "from utils.model_parallel import main\n"
+              "main(sys.argv[2:])\n")
+
+
+def script_arguments(config: ModelParallelConfig, out: Path | str, parts: Sequence[str]) -> list[str]:
+    """The command-line arguments of ``python -m utils.model_parallel`` for ``config`` (``--world-size`` aside)."""
+    fields = [f"--{name.replace('_', '-')}={value}" for name, value in asdict(config).items() if name != "world_size"]
+    return [f"--out={out}", f"--parts={','.join(parts)}", *fields]
+
+
+def _rank_failure(out: Path, rank: int, code: int) -> LaunchError:
+    log = (out / f"rank{rank}.log").read_text().splitlines()
+    return LaunchError(f"rank {rank} failed (exit code {code}); the end of its log:\n" + "\n".join(log[-25:]), code,
+                       "\n".join(log))
+
+
+def launch(config: ModelParallelConfig, out: Path | str, *, parts: Sequence[str] = tuple(PARTS),
+           timeout_s: float = 300.0) -> ModelParallelRun:
+    """Start ``config.world_size`` CPU ranks (gloo), run ``parts`` in each, and read every rank's JSON back.
+
+    Every argument is checked first (``check_config``: mesh, tensor-parallel divisibility, stages against
+    layers, the sequence against the context-parallel degree), so bad input is a ValueError before any
+    process starts. Each rank is a fresh Python process told its rank as torchrun tells it (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); its output goes to ``<out>/rank<r>.log``. The launch as
+    a whole has a time limit, after which every rank is killed; a rank that fails stops the others at once.
+
+    Args:
+        config: the model and the run.
+        out: a folder for the ranks' JSON and logs (created).
+        parts: any of ``"tp"``, ``"2d"``, ``"pp"``, ``"cp"``.
+        timeout_s: seconds before every rank is killed.
+
+    Returns:
+        A ``ModelParallelRun``.
+
+    Raises:
+        ValueError: a layout the configuration cannot be split into, or an unknown part.
+        LaunchError: a rank failed (the end of its log in the message) or the launch timed out.
+    """
+    import subprocess
+    import sys
+    check_config(config)
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise ValueError(f"unknown parts {unknown}: expected some of {tuple(PARTS)}")
+    if "pp" in parts:
+        check_torch_version()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    environment = {**os.environ, "WORLD_SIZE": str(config.world_size), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(find_free_port()), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-c", _RANK_BOOT, str(Path(__file__).resolve().parent),
+               *script_arguments(config, out, parts)]
+    began, processes = time.perf_counter(), []
+    try:
+        for rank in range(config.world_size):
+            with open(out / f"rank{rank}.log", "w") as log:
+                processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                                  env=environment | {"RANK": str(rank), "LOCAL_RANK": str(rank)}))
+        while any(process.poll() is None for process in processes):
+            failed = [rank for rank, process in enumerate(processes) if process.returncode not in (None, 0)]
+            if failed:
+                raise _rank_failure(out, failed[0], processes[failed[0]].returncode)
+            if time.perf_counter() - began > timeout_s:
+                raise LaunchError(f"the ranks did not finish in {timeout_s} s and were killed", None, "")
+            time.sleep(0.05)
+        failed = [rank for rank, process in enumerate(processes) if process.returncode != 0]
+        if failed:
+            raise _rank_failure(out, failed[0], processes[failed[0]].returncode)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(config.world_size)]
+    return ModelParallelRun(ranks=ranks, seconds=time.perf_counter() - began, out=out, config=config)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The command line: under torchrun, run this rank; from a shell, spawn the ranks (``--world-size``)."""
+    parser = argparse.ArgumentParser(prog="python -m utils.model_parallel", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for each rank's JSON")
+    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated: tp, 2d, pp, cp")
+    for name, value in asdict(ModelParallelConfig()).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    args = parser.parse_args(argv)
+    parts = args.parts.split(",")
+    fields = {name: getattr(args, name) for name in asdict(ModelParallelConfig())}
+    if "RANK" in os.environ:      # under torchrun: this process is one rank
+        world = int(os.environ["WORLD_SIZE"])
+        config = check_config(ModelParallelConfig(**(fields | {"world_size": world})))
+        run_rank(int(os.environ["RANK"]), world, config, Path(args.out), parts)
+        return
+    run = launch(ModelParallelConfig(**fields), args.out, parts=parts)
+    print(f"{len(run.ranks)} ranks, {run.seconds:.1f} s: results in {run.out}")
+
+
+if __name__ == "__main__":
+    main()
