@@ -119,6 +119,14 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
         ("lora_widest_over_full", "widest model under one budget, LoRA vs full fine-tuning"),
         ("adamw8bit_state_bytes_per_param", "optimizer state per parameter, 8-bit blockwise AdamW (AdamW: 8)"),
     ],
+    "10_fewer_bits_4bit_bf16_fp8": [
+        ("qlora_over_bf16_lora_step_peak", "peak memory of a LoRA step, NF4 (QLoRA) base vs bf16 base"),
+        ("bf16_sr_max_loss_deviation", "largest loss gap, pure bf16 with stochastic rounding vs fp32 master weights"),
+    ],
+    "13_model_parallel_tp_sp_pp_cp": [
+        ("tp_state_fraction_of_one_process", "model state per rank under tensor parallelism, share of one process"),
+        ("gpipe_over_1f1b_stage0_activations", "first stage's activations, GPipe vs 1F1B"),
+    ],
     "11_long_sequences_attention_memory": [
         ("naive_over_fused_saved_bytes", "bytes kept for backward, naive attention vs the fused (flash) kernel"),
         ("longest_sequence_sdpa_checkpointed", "longest sequence one budget fits, SDPA + checkpointing"),
