@@ -363,11 +363,11 @@ def predict_14(p: dict) -> dict[str, int]:
 def predict_15(p: dict) -> dict[str, int]:
     """15 capstone (its parameters cell: the budget plus about 0.5 GiB).
 
-    Every run is sized by a search under ``BUDGET_MIB`` (or the conv model's ``CONV_BUDGET_MIB``), a per-process
+    Every run is sized by a search under ``BUDGET_MIB`` (or the transformers Llama's ``LLAMA_BUDGET_MIB``), a per-process
     limit on the caching allocator's reserved bytes; outside the budget: the MFU's peak matmul (0.4 GiB).
     """
     return {
-        "the larger search budget (reserved bytes, cache included)": max(p["BUDGET_MIB"], p["CONV_BUDGET_MIB"]) * 2**20,
+        "the larger search budget (reserved bytes, cache included)": max(p["BUDGET_MIB"], p["LLAMA_BUDGET_MIB"]) * 2**20,
         "outside the budget: the MFU's matmul and what a run keeps": GIB // 2,
     }
 

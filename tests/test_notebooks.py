@@ -45,8 +45,9 @@ CHECK_BUDGET_S = {"00_measuring_memory_and_time": 30, "01_parameter_footprint": 
                   "14_checkpoint_and_resume": 30,
                   # nine searches under a budget (each confirming its prediction in two tries), a ladder of
                   # small compiles (aot_eager in check mode on a CPU: a cold Inductor cache does not matter),
-                  # eleven wrong answers (~20 s)
-                  "15_capstone_fit_then_fast": 40,
+                  # a transformers Llama (import ~3 s) and its four searches, fifteen wrong answers (~38-42 s of
+                  # CPU; up to ~50 on a loaded machine)
+                  "15_capstone_fit_then_fast": 60,
                   # process start dominates: each rank is a fresh Python that imports torch (~19 s)
                   "12_distributed_ddp_zero_fsdp": 40,
                   # one launch of 4 ranks, each a fresh Python importing torch, DTensor (which imports sympy and
@@ -182,6 +183,8 @@ def test_reference_finder_reads_lists_and_topics():
 
 
 MAX_CODE_CELL_LINES = 25
+MAX_SCRIPT_CELL_LINES = 80
+MAX_GRADED_CELL_LINES = 45
 
 
 @pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=IDS)
@@ -195,7 +198,12 @@ def test_code_cells_are_short_and_introduced(path):
         if cell.cell_type != "code" or "parameters" in cell.metadata.get("tags", []):
             continue
         lines = len(_source(cell).strip().splitlines())
-        if lines > MAX_CODE_CELL_LINES:
+        graded = cell.metadata.get("nbgrader", {}).get("grade") and not cell.metadata.get("nbgrader", {}).get("solution")
+        # a `script` cell shows a file a launcher runs, whole (notebook 12's training script, asserted equal to it);
+        # a graded cell is the instructor's checker, not lesson code
+        limit = (MAX_SCRIPT_CELL_LINES if "script" in cell.metadata.get("tags", [])
+                 else MAX_GRADED_CELL_LINES if graded else MAX_CODE_CELL_LINES)
+        if lines > limit:
             problems.append(f"cell {index} ({cell.id}): {lines} lines")
         previous = cells[index - 1]
         graded = cell.metadata.get("nbgrader", {}).get("grade") and not cell.metadata.get("nbgrader", {}).get("solution")
@@ -607,12 +615,12 @@ def test_make_run_refuses_unknown_check_mode_value():
 
 # --- exercises -------------------------------------------------------------------------------
 
-WRONG_ANSWERS_PER_EXERCISE = 3
+WRONG_ANSWERS_PER_EXERCISE = 6
 
 
 @pytest.mark.parametrize("path", NOTEBOOK_PATHS, ids=IDS)
 def test_every_exercise_holds_wrong_answers(path):
-    """An instructor who grades with these cells must not pass wrong work: each exercise has at least three
+    """An instructor who grades with these cells must not pass wrong work: each exercise has at least six
     plausible wrong solutions in tests/wrong_answers/<stem>.py, which the check-mode run proves its graded cell
     rejects (test_notebook_runs_in_check_mode)."""
     cells = _cells(path)
