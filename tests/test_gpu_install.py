@@ -92,7 +92,18 @@ def test_the_plan_printed_before_a_call_fits_eight_minutes_and_names_each_estima
     for stem in gpu_plan.notebook_stems():
         assert stem in done.stdout or stem[:2] + ":" in done.stdout, f"{stem} is neither planned nor left over"
     total = int(done.stdout.split("in about ")[1].split(" s")[0])
-    assert total + 85 + 25 <= 8 * 60, "set-up + notebooks + packing within 8 minutes"
+    assert total + 25 + 25 <= 8 * 60, "installing + notebooks (check mode several at a time) + packing within 8 minutes"
+
+
+def test_check_mode_runs_several_at_a_time_and_full_mode_one_at_a_time():
+    """Four check-mode runs at a time cost a quarter of their estimates in the plan; full mode is never shortened."""
+    requests = [("00_x", "check"), ("01_x", "check"), ("03_x", "full")]
+    steps, _ = plan(requests, budget_s=12 / 4 * 2 + 210, check_jobs=4)
+    assert [s.stem for s in steps] == ["00_x", "01_x", "03_x"]
+    steps, left_over = plan(requests, budget_s=12 * 2 + 209, check_jobs=1)
+    assert [s.stem for s in left_over] == ["03_x"]
+    with pytest.raises(PlanError):
+        plan(requests, budget_s=100, check_jobs=0)
 
 
 def test_an_early_exit_still_writes_the_summary(tmp_path):
@@ -193,3 +204,24 @@ def test_the_readme_gives_each_notebooks_estimates_as_the_plan_holds_them():
         assert rows.get(stem[:2]) == f"| {stem[:2]} | {check_s} s | {full_s} s |", \
             f"README's GPU estimates for {stem} differ from tools/gpu_plan.py"
     assert "tools/gpu_reference.sh --plan" in readme and "--unpack" in readme
+
+
+def test_transformers_and_peft_are_installed_over_another_version_the_image_has(tmp_path, monkeypatch):
+    """The calculator's replay is validated against requirements.txt's transformers and peft: an image holding other
+    versions gets the carried ones; an image holding the pinned ones, or no wheel carried, keeps the image's."""
+    from tools import gpu_install
+    wheels = tmp_path / "pinned"
+    wheels.mkdir()
+    _wheel(wheels, "transformers", "5.24.0", [])
+    _wheel(wheels, "fakeplots", "3.0", [])
+    image = {"transformers": "5.17.0", "fakeplots": "2.5"}
+
+    def have(name: str, version: str | None = None) -> bool:
+        return name in image and (version is None or image[name] == version)
+
+    monkeypatch.setattr(gpu_install, "installed", have)
+    chosen, missing = gpu_install.to_install(["transformers", "fakeplots"], gpu_install.wheel_index(wheels))
+    assert [w.name.split("-")[0] for w in chosen] == ["transformers"] and missing == []
+    image["transformers"] = "5.24.0"
+    chosen, _ = gpu_install.to_install(["transformers", "fakeplots"], gpu_install.wheel_index(wheels))
+    assert chosen == []

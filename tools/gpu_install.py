@@ -4,7 +4,9 @@ The GPU machines run whatever image they have: the usual one carries torch, tran
 matplotlib but no Jupyter; a bare one may carry Python and torch alone. ``tools/gpu_reference.sh`` carries
 wheels in ``.whl/`` (``make gpu-wheels``) and asks this module which of them to install: it follows each
 requirement's ``Requires-Dist`` through the wheels' own metadata, leaves out every distribution the image
-already has (any version: the image's packages were chosen to work with its torch), and prints the wheel files
+already has (any version: the image's packages were chosen to work with its torch; transformers and peft, whose
+exact versions the calculator is validated against, are installed over the image's when their wheels are carried),
+and prints the wheel files
 of the rest, which the script installs with ``pip install --no-deps --target`` into a folder on ``PYTHONPATH``.
 
 Only the standard library is used (the bare image may lack ``packaging``); an environment marker other than an
@@ -28,6 +30,10 @@ from pathlib import Path
 RUN_REQUIREMENTS = ["papermill", "nbclient", "nbformat", "nbconvert", "ipykernel", "matplotlib", "pytest",
                     "transformers", "peft"]
 NEVER_INSTALLED = {"torch", "triton"}
+# The libraries whose exact version the course's byte predictions are validated against (the calculator's
+# transformers and peft replay, requirements.txt's pins): where the wheels carry that version and the image holds
+# another, the carried one is installed over it (on PYTHONPATH, ahead of the image's).
+PINNED_EXACTLY = {"transformers", "peft"}
 _NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 
 
@@ -103,13 +109,19 @@ def _marker_holds(marker: str) -> bool:
     return bool(eval(expression, {"__builtins__": {}}))   # only True/False/and/or/brackets remain
 
 
-def installed(name: str) -> bool:
-    """Whether this interpreter (with its PYTHONPATH) already has the distribution, in any version."""
+def wheel_version(wheel: Path) -> str:
+    """The version in a wheel's file name (``transformers-5.24.0-py3-none-any.whl`` -> ``5.24.0``)."""
+    return wheel.name.split("-")[1]
+
+
+def installed(name: str, version: str | None = None) -> bool:
+    """Whether this interpreter (with its PYTHONPATH) already has the distribution: in any version, or in exactly
+    ``version`` when one is given."""
     try:
-        importlib.metadata.distribution(name)
-        return True
+        have = importlib.metadata.distribution(name).version
     except importlib.metadata.PackageNotFoundError:
         return False
+    return version is None or have == version
 
 
 def to_install(requirements: list[str], wheels: dict[str, Path]) -> tuple[list[Path], list[str]]:
@@ -126,9 +138,10 @@ def to_install(requirements: list[str], wheels: dict[str, Path]) -> tuple[list[P
         if name in seen or name in NEVER_INSTALLED:
             continue
         seen.add(name)
-        if installed(name):
-            continue
         wheel = wheels.get(name)
+        exact = wheel_version(wheel) if wheel is not None and name in PINNED_EXACTLY else None
+        if installed(name, exact):
+            continue
         if wheel is None:
             unavailable.append(name)
             continue

@@ -119,28 +119,35 @@ def default_requests(stems: list[str], record: dict, *, dry_run: bool = False,
     return check + full
 
 
-def plan(requests: list[tuple[str, str]], budget_s: float) -> tuple[list[Step], list[Step]]:
+def plan(requests: list[tuple[str, str]], budget_s: float,
+         check_jobs: int = 1) -> tuple[list[Step], list[Step]]:
     """Split the requests into the steps that fit ``budget_s`` (by estimate, in order) and those left for a later call.
 
-    A step that does not fit is left out and the next, shorter ones are still tried: the call never runs past its
-    total, and it uses the time it has.
+    Check-mode runs go ``check_jobs`` at a time (each is small; the GPU machine has 16 cores), so each costs its
+    estimate divided by ``check_jobs``; full-mode runs go one at a time (their timings are reported). A step that
+    does not fit is left out and the next, shorter ones are still tried: the call never runs past its total, and it
+    uses the time it has.
     """
+    if check_jobs < 1:
+        raise PlanError(f"check_jobs must be at least 1, got {check_jobs}")
     planned, left_over, used = [], [], 0.0
     for stem, mode in requests:
         estimate_s, limit_s = estimate(stem, mode)
         step = Step(stem, mode, estimate_s, limit_s)
-        if used + estimate_s <= budget_s:
+        cost_s = estimate_s / check_jobs if mode == "check" else estimate_s
+        if used + cost_s <= budget_s:
             planned.append(step)
-            used += estimate_s
+            used += cost_s
         else:
             left_over.append(step)
     return planned, left_over
 
 
-def format_plan(planned: list[Step], left_over: list[Step], budget_s: float) -> str:
+def format_plan(planned: list[Step], left_over: list[Step], budget_s: float, check_jobs: int = 1) -> str:
     """The plan as a reader sees it: each notebook, its mode, estimate and limit, and the total."""
-    lines = [f"GPU reference plan: {len(planned)} runs in about {sum(s.estimate_s for s in planned)} s of the "
-             f"{budget_s:.0f} s budget (estimates for an H100)", f"{'notebook':<46}{'mode':<7}{'estimate':>9}{'limit':>7}"]
+    wall_s = sum(s.estimate_s / (check_jobs if s.mode == "check" else 1) for s in planned)
+    lines = [f"GPU reference plan: {len(planned)} runs in about {wall_s:.0f} s of the "
+             f"{budget_s:.0f} s budget (estimates for an H100; check mode {check_jobs} at a time)", f"{'notebook':<46}{'mode':<7}{'estimate':>9}{'limit':>7}"]
     lines += [f"{s.stem:<46}{s.mode:<7}{s.estimate_s:>8}s{s.limit_s:>6}s" for s in planned]
     if left_over:
         lines.append(f"left for a later call ({sum(s.estimate_s for s in left_over)} s): "
@@ -156,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record", type=Path, default=None, help="results/<gpu>/reference_run.json, if any")
     parser.add_argument("--dry-run", action="store_true", help="plan check mode only (a run on a CPU)")
     parser.add_argument("--print", action="store_true", help="print the plan for a reader instead of the steps")
+    parser.add_argument("--check-jobs", type=int, default=1, help="check-mode runs at a time (full mode: one)")
     args = parser.parse_args(argv)
     if not args.budget > 0:
         parser.error(f"--budget must be a positive number of seconds, got {args.budget}")
@@ -167,9 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     except PlanError as error:
         print(f"gpu_plan: {error}", file=sys.stderr)
         return 2
-    planned, left_over = plan(requests, args.budget)
+    if args.check_jobs < 1:
+        parser.error(f"--check-jobs must be at least 1, got {args.check_jobs}")
+    planned, left_over = plan(requests, args.budget, args.check_jobs)
     if args.print:
-        print(format_plan(planned, left_over, args.budget))
+        print(format_plan(planned, left_over, args.budget, args.check_jobs))
     else:
         for step in planned:
             print(f"{step.stem}\t{step.mode}\t{step.estimate_s}\t{step.limit_s}")

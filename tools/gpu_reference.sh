@@ -92,6 +92,12 @@ if [ "$MODE" = wheels ]; then
         "$PY" -m pip download --quiet "${platform[@]}" -d .whl "${hf_pins[0]}" psutil pyyaml safetensors || exit 2
         "$PY" -m pip download --quiet "${platform[@]}" --no-deps -d .whl "${hf_pins[1]}" accelerate || exit 2
     else
+        # the image has transformers and peft, but the calculator's replay is validated against the pinned versions:
+        # carried without their dependencies (the image's serve), installed over the image's (tools/gpu_install.py)
+        for name in transformers peft; do
+            "$PY" -m pip download --quiet "${platform[@]}" --no-deps -d .whl "$(grep -E "^$name==" requirements.txt)" \
+                || exit 2
+        done
         for wheel in .whl/*.whl; do
             name=$(basename "$wheel" | cut -d- -f1 | tr 'A-Z-' 'a-z_')
             for provided in $IMAGE_HAS; do
@@ -144,16 +150,21 @@ PLAN_FLAGS=()
 BUDGET_S=${GPU_REFERENCE_BUDGET_S:-470}
 NOTEBOOK_TIMEOUT_S=${GPU_REFERENCE_NOTEBOOK_TIMEOUT_S:-330}
 TESTS_TIMEOUT_S=${GPU_REFERENCE_TESTS_TIMEOUT_S:-45}
-SETUP_ESTIMATE_S=$(( TESTS_TIMEOUT_S + 40 ))   # install, environment, unit tests, calculator grid (a plan's guess)
+SETUP_ESTIMATE_S=25   # installing and describing the machine (the unit tests and the calculator grid run beside check mode)
 PYTEST_ARGS=${GPU_REFERENCE_PYTEST_ARGS-tests/test_cuda_paths.py tests/test_memory.py tests/test_env.py \
 tests/test_timing_grads_models.py tests/test_gpu_sizes.py}
 PACK_RESERVE_S=25          # kept back from the budget for filing and packing
+CHECK_JOBS=${GPU_REFERENCE_CHECK_JOBS:-4}   # check-mode notebooks at a time (a dry run, on this machine: 1)
+[ "$DRY_RUN" = 1 ] && CHECK_JOBS=${GPU_REFERENCE_CHECK_JOBS:-1}
+case $CHECK_JOBS in ''|*[!0-9]*|0) echo "GPU_REFERENCE_CHECK_JOBS must be a positive whole number, got '$CHECK_JOBS'" >&2
+    exit 2 ;; esac
+PLAN_FLAGS+=(--check-jobs "$CHECK_JOBS")
 MIN_NOTEBOOK_S=10          # a notebook with less time left than this (or than its estimate) is not started
 if [ "$MODE" = plan ]; then   # a plan alone: what a call would run, with estimates, for the GPU named by its slug
     record=${GPU_REFERENCE_SLUG:+$RESULTS/$GPU_REFERENCE_SLUG/reference_run.json}
     "$PLAN_PY" tools/gpu_plan.py --print "${PLAN_FLAGS[@]}" --budget $(( BUDGET_S - SETUP_ESTIMATE_S - PACK_RESERVE_S )) \
         ${record:+--record "$record"} "${NOTEBOOKS[@]}" || exit 2
-    echo "(the first $SETUP_ESTIMATE_S s of the $BUDGET_S s go to installing, the unit tests and the calculator grid;" \
+    echo "(the first $SETUP_ESTIMATE_S s of the $BUDGET_S s go to installing; the unit tests and the calculator grid run beside check mode;" \
          "GPU_REFERENCE_SLUG=<results folder> plans around what that GPU already passed)"
     exit 0
 fi
@@ -319,10 +330,11 @@ pack() {   # summary, results, logs, the filed folder -> $OUT/reference.tar.gz; 
     summarize || return 1
     cp "$BUILD/summary.txt" "$OUT_DIR/summary.txt" || return 1
     local members=(summary.txt status.json environment.json nvidia-smi.txt logs)
-    for extra in filed plan.txt run/runtimes.json run/results run/results.json run/figures run/check/runtimes.json \
-                 tests.log calculator_validation.txt; do
+    for extra in filed plan.txt run/runtimes.json run/results run/results.json run/figures tests.log \
+                 calculator_validation.txt; do
         [ -e "$BUILD/$extra" ] && members+=("$extra")
     done
+    for extra in "$RUN"/check/runtimes-*.json; do [ -e "$extra" ] && members+=("run/check/${extra##*/}"); done
     tar -czf "$OUT_DIR/reference.tar.gz" -C "$BUILD" "${members[@]}" || return 1
     rm -f "$OUT_DIR"/executed.tar.gz*
     local executed=()
@@ -364,31 +376,77 @@ kill_kernels() {   # a notebook killed at its time limit leaves its kernel (star
     done
 }
 
-# the unit tests that run CUDA branches (on a GPU their needs_cuda tests run too)
-if [ -n "$PYTEST_ARGS" ]; then
-    began=$(date +%s)
-    # shellcheck disable=SC2086
-    timeout --kill-after=10 "$TESTS_TIMEOUT_S" "$PY" -m pytest -q -p no:cacheprovider $PYTEST_ARGS \
-        > "$BUILD/tests.log" 2>&1
-    rc=$?
-    took=$(( $(date +%s) - began ))
-    last=$(grep -E "(passed|failed|error|no tests ran)" "$BUILD/tests.log" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')
-    case $rc in
-        0) verdict=passed ;;
-        124|137) verdict="timed out after ${TESTS_TIMEOUT_S} s" ;;
-        *) verdict="FAILED (exit $rc)" ;;
-    esac
-    "$PY" -c "import json, sys; json.dump(dict(status=sys.argv[1], line=sys.argv[2]), open(sys.argv[3], 'w'))" \
-        "$verdict" "${last:-no summary line} in $took s" "$BUILD/tests.json"
-fi
+# the unit tests that run CUDA branches (on a GPU their needs_cuda tests run too), and the memory calculator's
+# validation grid against the allocator (issue 24): in the background, beside the check-mode notebooks (a GPU machine
+# has 16 cores; each process has its own CUDA context and allocator statistics), waited for before full mode
+setup_checks() {
+    if [ -n "$PYTEST_ARGS" ]; then
+        local began rc took last verdict
+        began=$(date +%s)
+        # shellcheck disable=SC2086
+        timeout --kill-after=10 "$TESTS_TIMEOUT_S" "$PY" -m pytest -q -p no:cacheprovider $PYTEST_ARGS \
+            > "$BUILD/tests.log" 2>&1
+        rc=$?
+        took=$(( $(date +%s) - began ))
+        last=$(grep -E "(passed|failed|error|no tests ran)" "$BUILD/tests.log" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')
+        case $rc in
+            0) verdict=passed ;;
+            124|137) verdict="timed out after ${TESTS_TIMEOUT_S} s" ;;
+            *) verdict="FAILED (exit $rc)" ;;
+        esac
+        "$PY" -c "import json, sys; json.dump(dict(status=sys.argv[1], line=sys.argv[2]), open(sys.argv[3], 'w'))" \
+            "$verdict" "${last:-no summary line} in $took s" "$BUILD/tests.json"
+    fi
+    if [ -n "$CALCULATOR_ARGS" ]; then
+        # shellcheck disable=SC2086
+        timeout --kill-after=10 "$TESTS_TIMEOUT_S" "$PY" -m utils.calculator $CALCULATOR_ARGS \
+            > "$BUILD/calculator_validation.txt" 2>&1 \
+            || echo "python -m utils.calculator $CALCULATOR_ARGS: exit $?" >> "$BUILD/calculator_validation.txt"
+    fi
+}
+BACKGROUND=()          # the set-up checks and the check-mode notebooks running now
+setup_checks &
+BACKGROUND+=($!)
 
-# the memory calculator's validation grid on this device: its prediction against the allocator (issue 24)
-if [ -n "$CALCULATOR_ARGS" ]; then
-    # shellcheck disable=SC2086
-    timeout --kill-after=10 "$TESTS_TIMEOUT_S" "$PY" -m utils.calculator $CALCULATOR_ARGS \
-        > "$BUILD/calculator_validation.txt" 2>&1 \
-        || echo "python -m utils.calculator $CALCULATOR_ARGS: exit $?" >> "$BUILD/calculator_validation.txt"
-fi
+drain() {   # wait for everything running in the background, then pack what it made
+    local pid
+    [ ${#BACKGROUND[@]} -eq 0 ] && return 0
+    for pid in "${BACKGROUND[@]}"; do wait "$pid"; done
+    BACKGROUND=()
+    pack || { FAILED_AT="packing failed"; echo "packing failed" >&2; exit 5; }
+}
+
+run_step() {   # one notebook in one mode under its limit; appends its line to status.tsv
+    local stem=$1 mode=$2 limit=$3 began rc seconds status runtime build_dir check runner executed
+    began=$(date +%s)
+    runtime="$BUILD/runtime/$stem-$mode"
+    mkdir -p "$runtime"
+    # each mode writes its own build folder: check mode's executed copies never replace full mode's; check-mode runs
+    # go several at a time, each into a folder of its own (run_notebooks.py rewrites runtimes.json and results.json),
+    # and their executed copies and wall times are moved together afterwards
+    build_dir=$RUN
+    check=0
+    if [ "$mode" = check ]; then build_dir=$RUN/check-runs/$stem; check=1; fi
+    runner=("$PY" tools/run_notebooks.py)
+    # shellcheck disable=SC2206
+    [ -n "${GPU_REFERENCE_RUNNER:-}" ] && runner=($GPU_REFERENCE_RUNNER)
+    PYTORCH_INTRO_BUILD_DIR=$build_dir PYTORCH_INTRO_CHECK_MODE=$check JUPYTER_RUNTIME_DIR=$runtime \
+        timeout --kill-after=15 "$limit" "${runner[@]}" "$stem" > "$BUILD/logs/$stem-$mode.log" 2>&1
+    rc=$?
+    seconds=$(( $(date +%s) - began ))
+    if [ "$mode" = check ]; then
+        mkdir -p "$RUN/check/executed"
+        for executed in "$build_dir"/executed/*; do [ -e "$executed" ] && mv "$executed" "$RUN/check/executed/"; done
+        [ -f "$build_dir/runtimes.json" ] && mv "$build_dir/runtimes.json" "$RUN/check/runtimes-$stem.json"
+    fi
+    case $rc in
+        0) status=ok ;;
+        1) status=FAILED ;;
+        124|137) status=TIMEOUT; kill_kernels "$runtime" ;;
+        *) status=CRASHED; : > "$BUILD/.runner-crashed" ;;
+    esac
+    printf '%s\t%s\t%s\t%s\t%s\n' "$stem" "$mode" "$status" "$seconds" "$rc" >> "$STATUS"
+}
 
 DEADLINE=$((STARTED + BUDGET_S))
 # the plan for the time left: check mode for every notebook, then full mode by priority, less what already passed on
@@ -401,6 +459,14 @@ left=$((DEADLINE - $(date +%s) - PACK_RESERVE_S))
     "${NOTEBOOKS[@]}" > "$BUILD/plan.tsv" || { FAILED_AT="planning failed"; exit 2; }
 cat "$BUILD/plan.txt"
 while IFS=$'\t' read -r stem mode estimate planned_limit; do
+    # full mode runs alone (its timings are reported): what runs in the background finishes first
+    [ "$mode" = full ] && drain
+    while [ "$mode" = check ] && [ ${#BACKGROUND[@]} -ge "$CHECK_JOBS" ]; do
+        wait -n
+        running=()
+        for pid in "${BACKGROUND[@]}"; do kill -0 "$pid" 2>/dev/null && running+=("$pid"); done
+        BACKGROUND=("${running[@]}")
+    done
     now=$(date +%s)
     left=$((DEADLINE - now - PACK_RESERVE_S))
     if [ "$planned_limit" -eq 0 ] || [ "$left" -lt "$MIN_NOTEBOOK_S" ] || [ "$left" -lt "$estimate" ]; then
@@ -410,29 +476,17 @@ while IFS=$'\t' read -r stem mode estimate planned_limit; do
     limit=$planned_limit
     [ "$limit" -gt "$NOTEBOOK_TIMEOUT_S" ] && limit=$NOTEBOOK_TIMEOUT_S
     [ "$limit" -gt "$left" ] && limit=$left
-    runtime="$BUILD/runtime/$stem-$mode"
-    mkdir -p "$runtime"
     echo "running $stem in $mode mode (estimate ${estimate} s, limit ${limit} s)"
-    # each mode writes its own build folder: check mode's executed copies never replace full mode's
-    build_dir=$RUN
-    check=0
-    if [ "$mode" = check ]; then build_dir=$RUN/check; check=1; fi
-    runner=("$PY" tools/run_notebooks.py)
-    # shellcheck disable=SC2206
-    [ -n "${GPU_REFERENCE_RUNNER:-}" ] && runner=($GPU_REFERENCE_RUNNER)
-    PYTORCH_INTRO_BUILD_DIR=$build_dir PYTORCH_INTRO_CHECK_MODE=$check JUPYTER_RUNTIME_DIR=$runtime \
-        timeout --kill-after=15 "$limit" "${runner[@]}" "$stem" > "$BUILD/logs/$stem-$mode.log" 2>&1
-    rc=$?
-    seconds=$(( $(date +%s) - now ))
-    case $rc in
-        0) status=ok ;;
-        1) status=FAILED ;;
-        124|137) status=TIMEOUT; kill_kernels "$runtime" ;;
-        *) status=CRASHED; infra=4 ;;
-    esac
-    printf '%s\t%s\t%s\t%s\t%s\n' "$stem" "$mode" "$status" "$seconds" "$rc" >> "$STATUS"
-    pack || { FAILED_AT="packing failed after $stem"; echo "packing failed" >&2; exit 5; }
+    if [ "$mode" = check ]; then
+        run_step "$stem" "$mode" "$limit" &
+        BACKGROUND+=($!)
+    else
+        run_step "$stem" "$mode" "$limit"
+        pack || { FAILED_AT="packing failed after $stem"; echo "packing failed" >&2; exit 5; }
+    fi
 done < "$BUILD/plan.tsv"
+drain
+[ -f "$BUILD/.runner-crashed" ] && infra=4
 
 # file the figures like `make results`, onto a copy of this device's results/ folder (what the unpack copies back)
 mkdir -p "$BUILD/filed" || exit 5
