@@ -370,6 +370,10 @@ class FakeCuda:
             raise TypeError("Invalid type for fraction argument, must be `float`")
         if fraction < 0 or fraction > 1:
             raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        if isinstance(device, (str, torch.device)) and torch.device(device).index is None:
+            # the real one wants an index (torch.cuda._utils._get_device_index without optional=True; seen on
+            # torch 2.11 on an H100): torch.device("cuda") is refused
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
         self.device(device).fraction = fraction
 
     @contextlib.contextmanager

@@ -98,9 +98,11 @@ def test_the_plan_printed_before_a_call_fits_eight_minutes_and_names_each_estima
 def test_check_mode_runs_several_at_a_time_and_full_mode_one_at_a_time():
     """Four check-mode runs at a time cost a quarter of their estimates in the plan; full mode is never shortened."""
     requests = [("00_x", "check"), ("01_x", "check"), ("03_x", "full")]
-    steps, _ = plan(requests, budget_s=12 / 4 * 2 + 210, check_jobs=4)
+    check_s = estimate("00_x", "check")[0] + estimate("01_x", "check")[0]
+    full_s = estimate("03_x", "full")[0]
+    steps, _ = plan(requests, budget_s=check_s / 4 + full_s, check_jobs=4)
     assert [s.stem for s in steps] == ["00_x", "01_x", "03_x"]
-    steps, left_over = plan(requests, budget_s=12 * 2 + 209, check_jobs=1)
+    steps, left_over = plan(requests, budget_s=check_s + full_s - 1, check_jobs=1)
     assert [s.stem for s in left_over] == ["03_x"]
     with pytest.raises(PlanError):
         plan(requests, budget_s=100, check_jobs=0)

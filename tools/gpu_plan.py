@@ -1,8 +1,8 @@
 """The GPU reference run's plan: which notebooks run, in which mode and order, each within its own time limit.
 
 A GPU is lent rarely and briefly: one device call of at most ~8 minutes of command time. So one call first runs
-every notebook in check mode on CUDA (every CUDA path exercised, ~12-30 s each, about 5 minutes), then as many notebooks in full
-mode as fit, in ``FULL_PRIORITY`` order (those whose GPU figures the README and the prose promise first), each
+every notebook in check mode on CUDA, four at a time (every CUDA path exercised, 25-60 s each, about 3 minutes on an
+H100), then as many notebooks in full mode as fit, one at a time, in ``FULL_PRIORITY`` order (those whose GPU figures the README and the prose promise first), each
 with a limit derived from its estimated H100 time, never past the total. What each call ran is recorded in
 ``results/<gpu>/reference_run.json`` (per notebook and mode: status, seconds, the notebook's content hash), and
 the default plan skips what already passed on that GPU for the notebook as it is now, so a few calls complete
@@ -29,15 +29,16 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 MODES = ("check", "full")
 
-# Estimated seconds of one notebook on an H100, kernel start included: (check mode, full mode). Full-mode figures
-# come from each notebook's GPU sizes (tests/test_gpu_sizes.py) and the work they do: 03 sweeps 20 strategies of
-# about seven fp32 steps each, 05 compiles eight times (max-autotune), 08 seven budgeted compiles, 09 two
-# 300-step loss curves and its width searches, 15 nine budgeted searches and a compiled speed ladder. The others
-# are measured CPU times of small work plus start-up. A notebook new to the table gets DEFAULT_ESTIMATE_S.
+# Estimated seconds of one notebook on an H100, kernel start included: (check mode, full mode). Measured on an
+# H100 (torch 2.11, 2026-11-27) where a run finished: check mode four at a time (each slower than alone), full mode
+# alone. The rest come from each notebook's GPU sizes (tests/test_gpu_sizes.py) and the work they do: 03 sweeps 20
+# strategies of about seven fp32 steps each, 08 seven budgeted compiles, 09 two 300-step loss curves and its width
+# searches, 15 nine budgeted searches and a compiled speed ladder. A notebook new to the table gets
+# DEFAULT_ESTIMATE_S.
 ESTIMATE_S: dict[str, tuple[int, int]] = {
-    "00": (12, 30), "01": (12, 35), "02": (12, 45), "03": (12, 210), "04": (12, 60), "05": (25, 130),
-    "06": (18, 60), "07": (12, 35), "08": (20, 215), "09": (20, 290), "10": (18, 90), "11": (15, 70),
-    "12": (25, 70), "13": (30, 90), "14": (20, 45), "15": (25, 235),
+    "00": (25, 40), "01": (25, 45), "02": (25, 45), "03": (30, 210), "04": (30, 45), "05": (40, 110),
+    "06": (45, 60), "07": (30, 35), "08": (35, 215), "09": (50, 290), "10": (40, 60), "11": (40, 70),
+    "12": (55, 70), "13": (45, 90), "14": (45, 90), "15": (60, 235),
 }
 DEFAULT_ESTIMATE_S = (30, 120)
 # Full mode's order when a call cannot run them all: the figures the README and the prose promise on a GPU first

@@ -127,7 +127,10 @@ if [ "$MODE" = unpack ]; then
         cat $(ls "$UNPACK_FROM"/executed.tar.gz* | sort) | tar -xzf - -C "$target" || exit 5
     fi
     if [ -d "$work/filed/$slug" ]; then
-        mkdir -p "$RESULTS/$slug" && cp -r "$work/filed/$slug"/. "$RESULTS/$slug"/ || exit 5
+        # the pack's figures and records are added to what results/<slug>/ holds: a run filed from a checkout that
+        # lacked an earlier call's results (two calls before either was unpacked) does not erase that call's
+        mkdir -p "$RESULTS/$slug" || exit 5
+        "$PY" tools/gpu_reference_merge.py "$work/filed/$slug" "$RESULTS/$slug" || exit 5
         echo "filed: $RESULTS/$slug/ ($(find "$RESULTS/$slug" -type f | wc -l) files); regenerate the README's"
         echo "       measured section with: .venv/bin/python tools/readme_results.py"
     else

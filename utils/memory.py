@@ -434,6 +434,7 @@ class measure_memory:  # noqa: N801 - used as a context manager, reads like a fu
             torch.cuda.reset_peak_memory_stats(self.device)
             self._baseline = torch.cuda.memory_allocated(self.device)
             self.measurement.baseline_bytes = self._baseline
+            self._include = None   # the allocator counts them already; a reference here would keep them alive
             if self.keep_timeline:
                 self._mode = _AllocatorSamplerMode(recorder, self.device, self._baseline)
                 baseline, device = self._baseline, self.device
@@ -458,7 +459,7 @@ class measure_memory:  # noqa: N801 - used as a context manager, reads like a fu
         if self.backend == "cuda-allocator":
             torch.cuda.synchronize(self.device)
             if self.budget_bytes is not None:
-                torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+                torch.cuda.set_per_process_memory_fraction(1.0, _cuda_index(self.device))
             end = torch.cuda.memory_allocated(self.device) - self._baseline
             self._recorder.sample(end)
             measurement.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._baseline
@@ -488,7 +489,13 @@ class measure_memory:  # noqa: N801 - used as a context manager, reads like a fu
             raise torch.OutOfMemoryError(
                 f"memory budget exceeded before the region started (cuda-allocator): after empty_cache() the process "
                 f"still reserves {reserved:,} bytes for tensors alive now, over the budget of {budget:,} bytes")
-        torch.cuda.set_per_process_memory_fraction(budget / total, self.device)
+        # an index, not torch.device("cuda"): set_per_process_memory_fraction refuses a device without one
+        torch.cuda.set_per_process_memory_fraction(budget / total, _cuda_index(self.device))
+
+
+def _cuda_index(device: torch.device) -> int:
+    """The CUDA device's index (the current device for a bare ``torch.device("cuda")``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @dataclass

@@ -76,10 +76,14 @@ def measure_reference_step(model: ModelConfig, setup: TrainingSetup, *, device: 
 
     One warm-up step creates the optimizer state; the second step is measured with
     ``utils.measure_memory``, its baseline being the model, the optimizer and the batch. On the CPU
-    that is the exact storage tracker; on CUDA the caching allocator (**this branch has not been run on
-    a GPU yet**: ``torch.cuda.reset_peak_memory_stats`` and ``max_memory_allocated`` around the step,
-    through ``measure_memory``'s "cuda-allocator" backend; expect differences of cuBLAS workspaces and
-    512-byte rounding per tensor, and of the attention kernel's saved statistics).
+    that is the exact storage tracker; on CUDA the caching allocator (``torch.cuda.reset_peak_memory_stats``
+    and ``max_memory_allocated`` around the step, through ``measure_memory``'s "cuda-allocator" backend).
+    On CUDA the peak is the step's own bytes above the state plus the state's 512-byte blocks: the first run
+    on a GPU (H100, torch 2.11, 2026-11-27) counted the whole process's allocated bytes instead, which hold
+    the two cuBLAS workspaces the warm-up step created (32 MiB each: one for forward's thread, one for
+    backward's) and put every configuration 66 MiB over its prediction. That run also left about 1.2 MB per
+    step unexplained (attention statistics and cuBLASLt's workspace are the suspects); it has not been
+    rerun since this change.
 
     Args:
         model, setup: what to build and train (``setup.device`` is set to the device's type).
@@ -117,10 +121,27 @@ def measure_reference_step(model: ModelConfig, setup: TrainingSetup, *, device: 
     boundaries = {phase: value for phase, value in ends.items() if phase not in ("start", "end")}
     # torch.optim keeps `step` on the host unless fused: count what lives on the measured device
     state = [t for t in _state_tensors(optimizer) if t.device.type == device.type] + codebooks
+    baseline = mem.baseline_bytes
+    if device.type == "cuda":   # the allocator's baseline is the whole process: count the state's own blocks
+        baseline = _cuda_block_bytes([net.parameters(), net.buffers(), _state_tensors(optimizer), tokens, targets,
+                                      codebooks])
     return StepBytes(parameters=tensor_bytes(list(net.parameters()) + list(net.buffers())),
                      optimizer_state=tensor_bytes(state), inputs=tensor_bytes([tokens, targets]),
                      activations=ends[last], loss=ends["m0.head"] - ends[last], gradients=before_step,
-                     peak=mem.peak_bytes + mem.baseline_bytes, boundaries=boundaries)
+                     peak=mem.peak_bytes + baseline, boundaries=boundaries)
+
+
+def _cuda_block_bytes(groups: list) -> int:
+    """Bytes of the distinct CUDA storages among ``groups`` (tensors or iterables of them), each rounded up to the
+    caching allocator's 512-byte blocks."""
+    torch = _torch()
+    seen: dict[int, int] = {}
+    for group in groups:
+        for tensor in ([group] if isinstance(group, torch.Tensor) else list(group)):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
+                storage = tensor.untyped_storage()
+                seen[storage.data_ptr()] = -(-storage.nbytes() // 512) * 512
+    return sum(seen.values())
 
 
 def _state_tensors(optimizer: Any) -> list:
@@ -251,7 +272,8 @@ def validate(grid: Sequence[tuple[str, ModelConfig, TrainingSetup]] | None = Non
     Args:
         grid: (label, model, setup) triples; default ``validation_grid(check)``.
         check: the representative subset (a few seconds on the CPU) instead of the whole grid.
-        device: where to measure: "cpu" (the exact tracker) or "cuda" (the allocator; not yet run).
+        device: where to measure: "cpu" (the exact tracker) or "cuda" (the allocator; see
+            ``measure_reference_step`` for what the first GPU run found).
         progress: called with each row as soon as it is measured.
 
     Returns:
