@@ -1,6 +1,7 @@
 """utils.model_parallel: the checks that run before any process starts, the per-rank predictions, the pipeline's
-logical timeline, the ring's split and the GPU calculator. Nothing here starts a process (notebook 13's check-mode
-run launches the ranks and asserts the measured bytes against these predictions)."""
+logical timeline, the ring's split, and the launcher's failure path (one fork server whose ranks exit at once; notebook
+13's check-mode run launches the ranks and asserts the measured bytes against these predictions; the GPU-scale
+calculator is tested in tests/test_calculator_model_parallel.py)."""
 
 from __future__ import annotations
 
@@ -156,19 +157,23 @@ def test_ring_split_and_work():
         mp.sequence_chunks(20, 4, 0, True)
 
 
-def test_llama_shapes_and_the_gpu_calculator():
-    assert mp.LLAMA2_70B.parameters == 68_976_648_192                 # Llama 2 70B's published count
-    card = 0.9 * 80e9
-    for shape in (mp.LLAMA2_70B, mp.LLAMA3_405B):
-        layout, need = mp.smallest_fitting_layout(shape, card)
-        assert need["total"] <= card and layout.gpus >= 16 * shape.parameters / card
-        assert mp.predict_gpu_bytes(shape, mp.Layout(dp=layout.gpus, zero=0))["total"] > card   # DDP never fits
-    one_gpu = mp.predict_gpu_bytes(mp.LLAMA2_70B, mp.Layout())
-    shape = mp.LLAMA2_70B          # one GPU holds everything, 16 bytes each, and a step counter per tensor
-    assert one_gpu["model state"] == 16 * shape.parameters + 4 * (9 * 80 + 3)
-    first_of_two = mp.predict_gpu_bytes(shape, mp.Layout(pp=2))["model state"]      # the embedding, not the head
-    assert first_of_two == 16 * ((shape.parameters - shape.vocab * shape.width - shape.width) // 2
-                                 + shape.vocab * shape.width // 2) + 4 * (9 * 40 + 1)
-    halves = mp.predict_gpu_bytes(mp.LLAMA2_70B, mp.Layout(cp=2))
-    assert halves["checkpointed inputs"] * 2 == one_gpu["checkpointed inputs"]
-    assert mp.Layout(dp=2, tp=8, pp=4, zero=1).label() == "dp2 (ZeRO-1) × tp8 × pp4"
+def test_launch_refuses_an_unknown_start_method(tmp_path):
+    with pytest.raises(ValueError, match=r"start must be one of \('forkserver', 'spawn'\)"):
+        mp.launch(mp.ModelParallelConfig(), tmp_path / "out", start="fork")
+    assert not (tmp_path / "out").exists()
+
+
+def test_fork_server_reports_the_first_failing_rank(tmp_path):
+    """The fork server's failure path, without a launch: ranks that reject their arguments exit at once (2), the
+    server writes the first one to failure.json, and the launcher's error carries that rank's log."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    package = str(Path(mp.__file__).resolve().parent)
+    done = subprocess.run([sys.executable, "-c", mp._SERVER_BOOT, package, "2", str(tmp_path), f"--out={tmp_path}",
+                           "--no-such-flag"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    error = mp._server_failure(tmp_path, done.returncode)
+    assert "failed (exit code 2)" in str(error) and "unrecognized arguments: --no-such-flag" in str(error)

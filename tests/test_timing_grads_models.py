@@ -135,5 +135,22 @@ def test_compare_judges_against_the_noise_of_the_same_run():
     assert compare(steady, noisy).verdict == "within noise"       # medians equal, spread wide
     assert compare(steady, Timing("cpu", (5.0, 5.0), 0)).verdict == "too few repeats"
     assert "within noise here" in compare(steady, noisy).sentence("b", "a")
+    assert compare(steady, twice_as_fast).sentence("b", "a").startswith("b ran 2.00x as fast as a")
+    assert compare(twice_as_fast, steady).sentence("b", "a").startswith("b took 2.00x as long as a")  # not 0.50x
+    assert "5 repeats each" in compare(steady, noisy).sentence("b", "a")
+    assert "at least 5 repeats each" in compare(steady, Timing("cpu", (10.0,) * 7, 0)).sentence("b", "a")
     with pytest.raises(ValueError, match="different devices"):
         compare(steady, Timing("cuda", (1.0,) * 5, 0))
+
+
+def test_format_band_never_prints_a_narrow_band_as_zero():
+    from utils.timing import Timing, compare, format_band
+    assert format_band(0.12) == "±12 %"
+    assert format_band(0.004) == "±0.4 %"
+    assert format_band(0.0) == "±<0.1 %"
+    tight = compare(Timing("cpu", (9.98, 9.99, 10.0, 10.01, 10.02), 0),
+                    Timing("cpu", (10.1, 10.11, 10.1, 10.09, 10.1), 0))
+    assert "noise band ±0.2 %" in tight.sentence("b", "a")
+    for bad in (-0.1, float("nan"), "5 %"):
+        with pytest.raises(ValueError, match="relative band"):
+            format_band(bad)

@@ -89,6 +89,31 @@ def student_version(notebook: nbformat.NotebookNode) -> nbformat.NotebookNode:
     return student
 
 
+def nbgrader_api(course_root: Path):
+    """nbgrader's ``NbGraderAPI`` on a course folder, its gradebook inside it (``--CourseDirectory.root``, ``.db_url``).
+
+    It runs the applications of the ``nbgrader`` command (``generate_assignment``, ``autograde``, ...) in this
+    process; each method returns ``{"success": bool, "log": str, "error": str}``. Creating the gradebook runs the
+    ``alembic`` program, which must be on PATH (the venv's bin folder).
+    """
+    from nbgrader.apps import NbGraderAPI
+    from traitlets.config import Config
+
+    config = Config()
+    config.CourseDirectory.root = str(course_root)
+    config.CourseDirectory.db_url = "sqlite:///" + str(Path(course_root) / "gradebook.db")
+    return NbGraderAPI(config=config)
+
+
+def nbgrader_succeeded(step: str, result: dict) -> None:
+    """Fail with nbgrader's own log when an ``NbGraderAPI`` step did not succeed.
+
+    Raises:
+        AssertionError: ``result["success"]`` is false; the message holds the step's log and error.
+    """
+    assert result["success"], f"nbgrader {step} failed:\n{result.get('log', '')}\n{result.get('error', '')}"
+
+
 def first_exercise_index(notebook: nbformat.NotebookNode) -> int:
     """Index of the first nbgrader solution cell (the first exercise)."""
     for index, cell in enumerate(notebook.cells):
@@ -135,7 +160,8 @@ class WrongAnswerOutcome:
         rejected: the graded cell raised, with an error that is not a ``TRIVIAL_ERRORS`` one.
         error: the exception name the graded cell raised, or None when it passed (the wrong answer was accepted).
         problem: set when the wrong answer could not be judged: its own cell raised, or the graded cell raised
-            a trivial error; or, after it, the real solution no longer passed.
+            a trivial error; or, after it, the real solution's cell raised; or, after the exercise's last wrong
+            answer, the real solution no longer passed its graded cell (then every outcome of the exercise says so).
     """
 
     rejected: bool
@@ -230,9 +256,8 @@ def run_check_mode(notebook_path: Path, output: Path, *, build: Path, timeout_s:
                 graded_id = _graded_exercise(source, index)
                 if graded_id is not None and wrong_answers and graded_id in wrong_answers:
                     tried = time.perf_counter()
-                    run.wrong_answers[graded_id] = {
-                        name: _try_wrong_answer(client, source, index - 1, wrong)
-                        for name, wrong in wrong_answers[graded_id].items()}
+                    run.wrong_answers[graded_id] = _try_wrong_answers(client, source, index - 1,
+                                                                      wrong_answers[graded_id])
                     run.wrong_answer_seconds += time.perf_counter() - tried
             run.kernel_cpu_seconds = _kernel_cpu_seconds(client, source)
     run.seconds = time.perf_counter() - started
@@ -252,44 +277,66 @@ def _graded_exercise(notebook: nbformat.NotebookNode, index: int) -> str | None:
     return None
 
 
+def _run_in_place(client, notebook: nbformat.NotebookNode, index: int, cell: nbformat.NotebookNode,
+                  source: str | None = None) -> str | None:
+    """Run a copy of ``cell`` (with ``source`` if given) at ``index``; return its error as "Name: value", or None."""
+    probe = copy.deepcopy(cell)
+    if source is not None:
+        probe.source = source
+    # run it as a cell that may raise: the error comes back as an output, and the kernel does not abort the
+    # requests that follow (with stop_on_error it would drop the restoring cells sent right after a failure)
+    probe.metadata["tags"] = [*probe.metadata.get("tags", []), "raises-exception"]
+    kept = notebook.cells[index]
+    try:
+        client.execute_cell(probe, index, store_history=False)
+    finally:
+        notebook.cells[index] = kept                  # nbclient stores the executed copy there
+    errors = [o for o in probe.get("outputs", []) if o.get("output_type") == "error"]
+    return f"{errors[0]['ename']}: {errors[0]['evalue']}" if errors else None
+
+
 def _try_wrong_answer(client, notebook: nbformat.NotebookNode, solution_index: int,
                       wrong_source: str) -> WrongAnswerOutcome:
-    """Run ``wrong_source`` in place of the solution, then the graded cell; then restore the real solution."""
+    """Run ``wrong_source`` in place of the solution, then the graded cell; then the real solution cell again.
+
+    The graded cell is not run again here: ``_try_wrong_answers`` runs it once, on the real solution, after the
+    last wrong answer (the graded cells of the capstone train models, and this halves their runs).
+    """
     solution, graded = notebook.cells[solution_index], notebook.cells[solution_index + 1]
-
-    def run(cell, source: str | None = None) -> str | None:
-        probe = copy.deepcopy(cell)
-        if source is not None:
-            probe.source = source
-        # run it as a cell that may raise: the error comes back as an output, and the kernel does not abort the
-        # requests that follow (with stop_on_error it would drop the restoring cells sent right after a failure)
-        probe.metadata["tags"] = [*probe.metadata.get("tags", []), "raises-exception"]
-        try:
-            client.execute_cell(probe, solution_index, store_history=False)
-        finally:
-            notebook.cells[solution_index] = solution   # nbclient stores the executed copy there
-        errors = [o for o in probe.get("outputs", []) if o.get("output_type") == "error"]
-        return f"{errors[0]['ename']}: {errors[0]['evalue']}" if errors else None
-
     outcome = WrongAnswerOutcome(rejected=False)
-    setup_error = run(solution, wrong_source)
+    setup_error = _run_in_place(client, notebook, solution_index, solution, wrong_source)
     if setup_error is not None:
         outcome.problem = f"the wrong answer's own cell raised {setup_error}"
     else:
-        graded_error = run(graded)
-        if graded_error is None:
-            outcome.error = None
-        else:
+        graded_error = _run_in_place(client, notebook, solution_index, graded)
+        if graded_error is not None:
             outcome.error = graded_error.split(":", 1)[0]
             if outcome.error in TRIVIAL_ERRORS:
                 outcome.problem = f"the graded cell failed on broken code, not on the idea: {graded_error}"
             else:
                 outcome.rejected = True
-    restored = run(solution) or run(graded)
+    restored = _run_in_place(client, notebook, solution_index, solution)
     if restored is not None:
-        outcome.problem = f"after it, the real solution failed: {restored}"
+        outcome.problem = f"after it, the real solution's cell failed: {restored}"
         outcome.rejected = False
     return outcome
+
+
+def _try_wrong_answers(client, notebook: nbformat.NotebookNode, solution_index: int,
+                       wrong: dict[str, str]) -> dict[str, WrongAnswerOutcome]:
+    """Try each wrong solution in turn (``_try_wrong_answer``), then run the graded cell on the real solution once.
+
+    That last run is what the lesson goes on from. If it fails, a wrong answer left the kernel in a state in which
+    the real solution no longer passes, and so in which a later wrong answer may have failed for that reason
+    rather than for its idea: no outcome counts as rejected then, and each says so.
+    """
+    outcomes = {name: _try_wrong_answer(client, notebook, solution_index, source) for name, source in wrong.items()}
+    restored = _run_in_place(client, notebook, solution_index, notebook.cells[solution_index + 1])
+    if restored is not None:
+        for outcome in outcomes.values():
+            outcome.problem = f"after the wrong answers, the real solution failed its graded cell: {restored}"
+            outcome.rejected = False
+    return outcomes
 
 
 def _probe_student(client, student: nbformat.NotebookNode, first: int,

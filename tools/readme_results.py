@@ -232,6 +232,8 @@ def _plain_value(figure: dict, label: str = "") -> str:
         return f"{value:.3g}×" + (" (a slowdown here)" if is_speedup and value < 1 else "")
     if float(value).is_integer() and abs(value) < 1e15:   # counts and bytes: every digit, with separators
         text = f"{int(value):,}"
+    elif abs(value) >= 9999.5:   # four significant digits without an exponent: 12,550, not 1.255e+04
+        text = f"{round(value, 4 - len(str(int(abs(value))))):,.0f}"
     else:
         text = f"{value:,.4g}"
     if value == 1 and unit.endswith("s") and unit not in ("bytes", "s", "ms"):

@@ -472,3 +472,89 @@ def llama_shapes(num_layers: int, d_model: int, ffn_width: int, vocab_size: int,
              (ffn_width, d_model), (ffn_width, d_model), (d_model, ffn_width)]
     other = vocab_size * d_model * (1 if tie_embeddings else 2) + (2 * num_layers + 1) * d_model
     return block * num_layers, other
+
+
+# --- notebook 10's pure-bf16 AdamW, as an optimizer: what the calculator's "stochastic" and "kahan" replay ----
+
+#: how ``AdamWBF16`` writes each update back into a bf16 weight
+BF16_ROUNDINGS = ("nearest", "stochastic", "kahan")
+
+
+def round_stochastic(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16, rounding up with probability (x - lower) / gap: unbiased on average (notebook 10's recipe)."""
+    bits = x.float().contiguous().view(torch.int32)                # bf16 is the top 16 bits of an fp32
+    noise = torch.randint_like(bits, 0, 1 << 16)                  # uniform over the 16 bits bf16 drops
+    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)   # exact: the low bits are now 0
+
+
+def add_kahan_(weight: torch.Tensor, update: torch.Tensor, compensation: torch.Tensor) -> None:
+    """weight += update in bf16, keeping what rounding drops in ``compensation`` (bf16) for the next call."""
+    exact = weight.float() + (update.float() + compensation.float())
+    weight.copy_(exact)                                             # rounds to the nearest bf16
+    compensation.copy_(exact - weight.float())                      # the part that was rounded away
+
+
+class AdamWBF16(torch.optim.Optimizer):
+    """AdamW on bf16 weights with bf16 moments: 8 bytes per parameter with its gradient (10 with Kahan).
+
+    Notebook 10's ``adamw_bf16_step`` as a ``torch.optim.Optimizer``, so that the calculator's pure-bf16 options
+    (``TrainingSetup(precision="bf16", bf16_rounding="stochastic" | "kahan")``) can be measured step by step
+    (``tests/test_calculator_lowbit.py``). Each parameter's moments ``m`` and ``v`` are bf16 tensors of its
+    shape (plus a bf16 Kahan buffer ``c``); the step count is a Python int, so no tensor. The update is computed
+    in fp32 temporaries, one parameter at a time, and written back rounded stochastically
+    (``round_stochastic``), with Kahan summation (``add_kahan_``) or to the nearest bf16.
+
+    Args:
+        params: parameters or groups (bf16).
+        lr: learning rate (> 0).
+        betas: decay rates of the moments, each in [0, 1).
+        eps: added to the denominator (> 0).
+        weight_decay: decoupled weight decay (>= 0; default 0, as notebook 10).
+        rounding: one of ``BF16_ROUNDINGS``.
+
+    Raises:
+        ValueError: an unknown rounding (the message lists them), a learning rate out of range.
+
+    Example:
+        >>> optimizer = AdamWBF16(model.to(torch.bfloat16).parameters(), lr=3e-4, rounding="stochastic")
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, rounding: str = "stochastic") -> None:
+        if rounding not in BF16_ROUNDINGS:
+            raise ValueError(f"rounding must be one of {BF16_ROUNDINGS}, got {rounding!r}")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+            raise ValueError(f"lr must be a number > 0, got {lr!r}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.rounding = rounding
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One update of every parameter that has a gradient (notebook 10's loop, per parameter)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                s = self.state[p]
+                if not s:
+                    s.update({"step": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)}
+                             | ({"c": torch.zeros_like(p)} if self.rounding == "kahan" else {}))
+                s["step"] = step = s["step"] + 1                    # a Python int: no tensor
+                grad = p.grad.float()
+                m = s["m"].float().lerp_(grad, 1 - betas[0])        # fp32 temporaries, stored back in bf16
+                v = s["v"].float().mul_(betas[1]).addcmul_(grad, grad, value=1 - betas[1])
+                s["m"].copy_(m), s["v"].copy_(v)
+                update = -lr * (m / (1 - betas[0] ** step)) / ((v / (1 - betas[1] ** step)).sqrt() + eps)
+                update -= lr * weight_decay * p.float()
+                if self.rounding == "stochastic":
+                    p.copy_(round_stochastic(p.float() + update))
+                elif self.rounding == "kahan":
+                    add_kahan_(p, update, s["c"])
+                else:
+                    p.copy_(p.float() + update)
+        return loss

@@ -9,14 +9,15 @@ and the sequence inside attention (context parallelism, ``cp``). It holds:
   ``tensor_parallel_plan`` (the Megatron layout as a ``parallelize_module`` plan), ``shard_2d`` (FSDP2 over
   tensor parallelism on a 2-D mesh), ``make_pipeline_schedule`` (``torch.distributed.pipelining``) and
   ``ring_attention`` (context parallelism by hand on notebook 11's online softmax).
-* **Predictions**: per-rank bytes of the model state (``predict_model_state_bytes``), of one block's
-  activations (``predict_block_activation_bytes``), the pipeline's bubble and micro-batches in flight, the
-  ring's key/value bytes and work per rank, and a whole-model calculator for Llama-shaped models on GPUs
-  (``predict_gpu_bytes``, ``smallest_fitting_layout``).
-* **The launched script**: ``launch`` spawns the ranks (gloo on the CPU) and reads each rank's JSON back;
-  ``python -m utils.model_parallel --out DIR`` does the same from a shell, and under ``torchrun`` it runs as
-  one rank (``python -m torch.distributed.run --standalone --nproc-per-node 4 -m utils.model_parallel --out
-  DIR``). Every argument the ranks depend on is checked before a process starts.
+* **Predictions** the notebook derives by hand: per-rank bytes of the model state (``predict_model_state_bytes``),
+  of one block's activations (``predict_block_activation_bytes``), the pipeline's bubble and micro-batches in
+  flight, the ring's key/value bytes and work per rank. The calculator's ``utils.calculator.model_parallel``
+  combines them for any model and layout (section 5; it reproduces these ranks' bytes).
+* **The launched script**: ``launch`` starts the ranks (gloo on the CPU) and reads each rank's JSON back: by
+  default a fork server (one fresh Python imports torch once and forks the ranks, ``serve_ranks``), or one fresh
+  Python per rank (``start="spawn"``); ``python -m utils.model_parallel --out DIR`` does the same from a shell,
+  and under ``torchrun`` it runs as one rank (``python -m torch.distributed.run --standalone --nproc-per-node 4
+  -m utils.model_parallel --out DIR``). Every argument the ranks depend on is checked before a process starts.
 
 Known limitations: the ranks run on the CPU with gloo, so bytes and collective counts are exact but no
 speed is meaningful; the pipeline schedules need torch >= ``PIPELINING_ON_GLOO_FROM`` (earlier versions
@@ -26,7 +27,6 @@ hang on gloo, pytorch/pytorch#132644).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -508,132 +508,6 @@ def ring_work_per_rank(seq: int, cp: int, balanced: bool) -> list[int]:
             for r in range(cp)]
 
 
-# --- 5. what fits: the whole model on GPUs ------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TransformerShape:
-    """A Llama-style decoder: the shapes the GPU calculator needs (grouped-query attention, SwiGLU MLP)."""
-
-    name: str
-    layers: int
-    width: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-
-    @property
-    def layer_parameters(self) -> int:
-        """Elements of one layer: q and o (width²), k and v (width · kv width), the three MLP matrices, two norms."""
-        kv_width = self.width // self.heads * self.kv_heads
-        return 2 * self.width ** 2 + 2 * self.width * kv_width + 3 * self.width * self.ffn + 2 * self.width
-
-    @property
-    def parameters(self) -> int:
-        """Every element: the layers, the embedding and the (untied) output head, the final norm."""
-        return self.layers * self.layer_parameters + 2 * self.vocab * self.width + self.width
-
-
-LLAMA2_70B = TransformerShape("Llama 2 70B", layers=80, width=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000)
-LLAMA3_405B = TransformerShape("405B-shaped", layers=126, width=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A parallel layout: data (with a ZeRO stage), tensor (with sequence parallelism), pipeline, context degrees."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    zero: int = 3
-
-    @property
-    def gpus(self) -> int:
-        """dp · tp · pp · cp."""
-        return self.dp * self.tp * self.pp * self.cp
-
-    def label(self) -> str:
-        """e.g. ``dp8 (ZeRO-3) × tp8 × pp2``."""
-        parts = [f"dp{self.dp} ({['DDP', 'ZeRO-1', '', 'FSDP'][self.zero]})"] if self.dp > 1 else []
-        degrees = (("tp", self.tp), ("pp", self.pp), ("cp", self.cp))
-        parts += [f"{name}{degree}" for name, degree in degrees if degree > 1]
-        return " × ".join(parts) or "one GPU"
-
-
-def predict_gpu_bytes(shape: TransformerShape, layout: Layout, *, seq: int = 4096, micro_batch: int = 1,
-                      micro_batches: int | None = None) -> dict[str, int]:
-    """Bytes on the busiest GPU (pipeline stage 0: the most layers, and the embedding) for one training step.
-
-    Model state: AdamW in mixed precision, 16 bytes per parameter (``predict_model_state_bytes``, the formula
-    notebook 13 validates to the byte on the CPU): the layers' matrices split 1/tp, the norms replicated,
-    stage 0 holding ceil(L/pp) layers and the embedding (split 1/tp over the vocabulary; the head and the final
-    norm go to the last stage, the same one when pp = 1), the rest split by the data-parallel ZeRO stage. With
-    FSDP (ZeRO-3 over dp > 1) each GPU also holds one gathered layer's 16-bit weights (1/tp of them) and the next
-    one, prefetched.
-    Activations, bf16, with full activation checkpointing (each layer keeps only its input, 2·s·b·h bytes,
-    split 1/tp by sequence parallelism and 1/cp by context parallelism): 1F1B's stage 0 holds
-    ``min(pp, micro_batches)`` micro-batches in flight, each with its layers' inputs; plus one layer's
-    recomputed working set while its backward runs (34·s·b·h bytes split 1/tp and 1/cp: Korthikanti et al.'s
-    count with sequence parallelism and a fused attention kernel). Not counted: the logits (on the last
-    stage), temporary buffers of the collectives, the allocator's fragmentation.
-
-    Args:
-        shape: the model.
-        layout: the degrees and the ZeRO stage.
-        seq, micro_batch: tokens per sequence, sequences per micro-batch.
-        micro_batches: per step (default: ``pp``, the fewest 1F1B runs with).
-
-    Returns:
-        ``{"model state": ..., "gathered layers": ..., "checkpointed inputs": ..., "one layer recomputed": ...,
-        "total": ...}``, bytes.
-    """
-    check_context_parallel(seq, layout.cp)
-    positive_int("micro_batch", micro_batch)
-    stage_layers = math.ceil(shape.layers / layout.pp)
-    matrices = shape.layer_parameters - 2 * shape.width
-    ends = 1 if layout.pp > 1 else 2      # the embedding; with one stage also the head (and the final norm)
-    state = predict_model_state_bytes(stage_layers * matrices + ends * shape.vocab * shape.width,
-                                      stage_layers * 2 * shape.width + (ends - 1) * shape.width,
-                                      9 * stage_layers + 2 * ends - 1, tp=layout.tp, dp=layout.dp, zero=layout.zero)
-    gathered = 2 * 2 * matrices // layout.tp if layout.zero == 3 and layout.dp > 1 else 0
-    tokens = seq * micro_batch // (layout.tp * layout.cp)
-    in_flight = min(layout.pp, micro_batches or layout.pp)
-    parts = {"model state": state, "gathered layers": gathered,
-             "checkpointed inputs": in_flight * stage_layers * 2 * tokens * shape.width,
-             "one layer recomputed": 34 * tokens * shape.width}
-    return parts | {"total": sum(parts.values())}
-
-
-def candidate_layouts(max_gpus: int = 4096, tp_degrees: Sequence[int] = (1, 2, 4, 8),
-                      pp_degrees: Sequence[int] = (1, 2, 4, 8, 16), cp_degrees: Sequence[int] = (1, 2, 4),
-                      zero_stages: Sequence[int] = (0, 1, 3)) -> list[Layout]:
-    """Every layout with power-of-two degrees up to ``max_gpus`` GPUs (tp within one 8-GPU node)."""
-    layouts = []
-    for tp, pp, cp, zero in itertools.product(tp_degrees, pp_degrees, cp_degrees, zero_stages):
-        dp = 1
-        while dp * tp * pp * cp <= max_gpus:
-            if zero == 0 or dp > 1:
-                layouts.append(Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero))
-            dp *= 2
-    return layouts
-
-
-def smallest_fitting_layout(shape: TransformerShape, card_bytes: float, *, seq: int = 4096,
-                            layouts: Sequence[Layout] | None = None) -> tuple[Layout, dict[str, int]] | None:
-    """The layout with the fewest GPUs whose busiest GPU fits ``card_bytes`` (ties: the least memory per GPU)."""
-    best = None
-    for layout in layouts or candidate_layouts():
-        if seq % (2 * layout.cp):
-            continue
-        need = predict_gpu_bytes(shape, layout, seq=seq)
-        if need["total"] <= card_bytes:
-            key = (layout.gpus, need["total"])
-            if best is None or key < best[0]:
-                best = (key, layout, need)
-    return None if best is None else (best[1], best[2])
-
-
 # --- what a rank measures -----------------------------------------------------------------------------------------
 
 class SavedActivations:
@@ -875,12 +749,14 @@ def run_rank(rank: int, world: int, config: ModelParallelConfig, out: Path,
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=dt.timedelta(seconds=config.collective_timeout_s))
-    record: dict[str, Any] = {"rank": rank, "world_size": world, "torch": torch.__version__, "seconds": {}}
+    record: dict[str, Any] = {"rank": rank, "world_size": world, "torch": torch.__version__, "seconds": {},
+                              "cpu_seconds": {"start": time.process_time()}}
     try:
         for part in parts:
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), time.process_time()
             record[part] = PARTS[part](config, rank, world)
             record["seconds"][part] = time.perf_counter() - began
+            record["cpu_seconds"][part] = time.process_time() - cpu
             dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -909,12 +785,23 @@ def check_torch_version(version: str | None = None) -> None:
                            f"{'.'.join(map(str, PIPELINING_ON_GLOO_FROM))}")
 
 
-# Each rank is a fresh Python (spawned, not forked) that imports only this module and what it uses, through a stub
-# ``utils`` package: the package's __init__ imports matplotlib for the notebooks' plots, which a rank never draws
+# The ranks start from a fresh Python, never from the caller (a Jupyter kernel runs threads, and forking a process
+# with threads can deadlock the child). Through a stub ``utils`` package: the package's __init__ imports matplotlib
+# for the notebooks' plots, which a rank never draws. "spawn": one fresh Python per rank, as torchrun starts them.
 _RANK_BOOT = ("import sys, types\n"
               "package = types.ModuleType('utils'); package.__path__ = [sys.argv[1]]; sys.modules['utils'] = package\n"
               "from utils.model_parallel import main\n"
               "main(sys.argv[2:])\n")
+# "forkserver": one fresh Python imports torch and the distributed modules once, then forks every rank from itself
+# (each a copy with the imports done, no thread started yet) and waits for them (``serve_ranks``)
+_SERVER_BOOT = ("import sys, types\n"
+                "package = types.ModuleType('utils'); package.__path__ = [sys.argv[1]]; sys.modules['utils'] = package\n"
+                "from utils.model_parallel import serve_ranks\n"
+                "sys.exit(serve_ranks(int(sys.argv[2]), sys.argv[3], sys.argv[4:]))\n")
+STARTS = ("forkserver", "spawn")
+# what a rank imports, imported once by the fork server (about 1.5 CPU seconds of DTensor's own imports)
+_PRELOAD = ("torch.distributed.device_mesh", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+            "torch.distributed.tensor.debug", "torch.distributed.fsdp", "torch.distributed.pipelining")
 
 
 def script_arguments(config: ModelParallelConfig, out: Path | str, parts: Sequence[str]) -> list[str]:
@@ -923,69 +810,151 @@ def script_arguments(config: ModelParallelConfig, out: Path | str, parts: Sequen
     return [f"--out={out}", f"--parts={','.join(parts)}", *fields]
 
 
+def serve_ranks(world_size: int, out: Path | str, argv: Sequence[str]) -> int:
+    """The fork server: import what every rank needs once, fork ``world_size`` ranks, wait for them all.
+
+    Each child is told its rank as torchrun tells it (``RANK``, ``LOCAL_RANK``; the rest of the environment is
+    the server's), writes its output to ``<out>/rank<r>.log`` and runs ``main(argv)``. The first rank that fails
+    is written to ``<out>/failure.json`` and the others are killed at once (they would wait for it until their
+    collectives time out). Returns the server's exit status: 0 when every rank succeeded, else 1.
+    """
+    import importlib
+    import signal
+    import sys
+    import traceback
+    for module in _PRELOAD:
+        importlib.import_module(module)
+    from . import memory  # noqa: F401  (section 2's tracker)
+    out = Path(out)
+    children: dict[int, int] = {}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for rank in range(world_size):
+        pid = os.fork()
+        if pid == 0:                                     # the rank: a copy of the server, imports done
+            code = 1
+            try:
+                log = os.open(out / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+                main(argv)
+                code = 0
+            except SystemExit as error:
+                code = error.code if isinstance(error.code, int) else 1
+            except BaseException:                        # noqa: BLE001  (its traceback goes to its log)
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)                           # no interpreter teardown: the record is written
+        children[pid] = rank
+    failed = False
+    while children:
+        pid, status = os.wait()
+        rank, code = children.pop(pid), os.waitstatus_to_exitcode(status)
+        if code != 0 and not failed:
+            failed = True
+            (out / "failure.json").write_text(json.dumps({"rank": rank, "code": code}))
+            for other in children:
+                os.kill(other, signal.SIGKILL)
+    return 1 if failed else 0
+
+
 def _rank_failure(out: Path, rank: int, code: int) -> LaunchError:
     log = (out / f"rank{rank}.log").read_text().splitlines()
     return LaunchError(f"rank {rank} failed (exit code {code}); the end of its log:\n" + "\n".join(log[-25:]), code,
                        "\n".join(log))
 
 
+def _server_failure(out: Path, code: int) -> LaunchError:
+    failure = out / "failure.json"
+    if failure.exists():
+        record = json.loads(failure.read_text())
+        return _rank_failure(out, record["rank"], record["code"])
+    log = (out / "server.log").read_text()
+    return LaunchError(f"the fork server failed (exit code {code}) before its ranks did:\n{log[-2000:]}", code, log)
+
+
 def launch(config: ModelParallelConfig, out: Path | str, *, parts: Sequence[str] = tuple(PARTS),
-           timeout_s: float = 300.0) -> ModelParallelRun:
+           timeout_s: float = 300.0, start: str = "forkserver") -> ModelParallelRun:
     """Start ``config.world_size`` CPU ranks (gloo), run ``parts`` in each, and read every rank's JSON back.
 
     Every argument is checked first (``check_config``: mesh, tensor-parallel divisibility, stages against
     layers, the sequence against the context-parallel degree), so bad input is a ValueError before any
-    process starts. Each rank is a fresh Python process told its rank as torchrun tells it (``RANK``,
-    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); its output goes to ``<out>/rank<r>.log``. The launch as
-    a whole has a time limit, after which every rank is killed; a rank that fails stops the others at once.
+    process starts. Each rank is told its rank as torchrun tells it (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``); its output goes to ``<out>/rank<r>.log``. The launch as a whole has a time limit, after
+    which every rank is killed; a rank that fails stops the others at once.
 
     Args:
         config: the model and the run.
         out: a folder for the ranks' JSON and logs (created).
         parts: any of ``"tp"``, ``"2d"``, ``"pp"``, ``"cp"``.
         timeout_s: seconds before every rank is killed.
+        start: ``"forkserver"`` (default): one fresh Python imports torch and the distributed modules once and
+            forks the ranks from itself (``serve_ranks``), so the imports, about 3 CPU seconds, are paid once,
+            not once per rank; ``"spawn"``: one fresh Python per rank, as ``torchrun`` starts them.
 
     Returns:
         A ``ModelParallelRun``.
 
     Raises:
-        ValueError: a layout the configuration cannot be split into, or an unknown part.
+        ValueError: a layout the configuration cannot be split into, an unknown part or start method.
         LaunchError: a rank failed (the end of its log in the message) or the launch timed out.
     """
+    import signal
     import subprocess
     import sys
     check_config(config)
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         raise ValueError(f"unknown parts {unknown}: expected some of {tuple(PARTS)}")
+    if start not in STARTS:
+        raise ValueError(f"start must be one of {STARTS}, got {start!r}")
     if "pp" in parts:
         check_torch_version()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in [out / "failure.json", *out.glob("rank*.json")]:     # an earlier launch's, in the same folder
+        stale.unlink(missing_ok=True)
     environment = {**os.environ, "WORLD_SIZE": str(config.world_size), "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(find_free_port()), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-c", _RANK_BOOT, str(Path(__file__).resolve().parent),
-               *script_arguments(config, out, parts)]
+    package, arguments = str(Path(__file__).resolve().parent), script_arguments(config, out, parts)
     began, processes = time.perf_counter(), []
     try:
-        for rank in range(config.world_size):
-            with open(out / f"rank{rank}.log", "w") as log:
-                processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                                  env=environment | {"RANK": str(rank), "LOCAL_RANK": str(rank)}))
+        if start == "forkserver":     # one process; it and its ranks form a session, killed together
+            with open(out / "server.log", "w") as log:
+                processes.append(subprocess.Popen(
+                    [sys.executable, "-c", _SERVER_BOOT, package, str(config.world_size), str(out), *arguments],
+                    stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True))
+        else:
+            for rank in range(config.world_size):
+                with open(out / f"rank{rank}.log", "w") as log:
+                    processes.append(subprocess.Popen(
+                        [sys.executable, "-c", _RANK_BOOT, package, *arguments], stdout=log, stderr=subprocess.STDOUT,
+                        env=environment | {"RANK": str(rank), "LOCAL_RANK": str(rank)}))
+
+        def failure(index: int) -> LaunchError:
+            code = processes[index].returncode
+            return _server_failure(out, code) if start == "forkserver" else _rank_failure(out, index, code)
+
         while any(process.poll() is None for process in processes):
-            failed = [rank for rank, process in enumerate(processes) if process.returncode not in (None, 0)]
+            failed = [index for index, process in enumerate(processes) if process.returncode not in (None, 0)]
             if failed:
-                raise _rank_failure(out, failed[0], processes[failed[0]].returncode)
+                raise failure(failed[0])
             if time.perf_counter() - began > timeout_s:
                 raise LaunchError(f"the ranks did not finish in {timeout_s} s and were killed", None, "")
             time.sleep(0.05)
-        failed = [rank for rank, process in enumerate(processes) if process.returncode != 0]
+        failed = [index for index, process in enumerate(processes) if process.returncode != 0]
         if failed:
-            raise _rank_failure(out, failed[0], processes[failed[0]].returncode)
+            raise failure(failed[0])
     finally:
         for process in processes:
             if process.poll() is None:
-                process.kill()
+                if start == "forkserver":
+                    os.killpg(process.pid, signal.SIGKILL)     # the server and every rank it forked
+                else:
+                    process.kill()
                 process.wait()
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(config.world_size)]
     return ModelParallelRun(ranks=ranks, seconds=time.perf_counter() - began, out=out, config=config)

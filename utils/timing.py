@@ -130,6 +130,22 @@ def speedup(baseline: Timing, candidate: Timing) -> float:
 MIN_REPEATS_FOR_VERDICT = 5
 
 
+def format_band(noise: float) -> str:
+    """A relative noise band as printed beside a ratio: ``"±12 %"``, ``"±0.4 %"``, ``"±<0.1 %"``.
+
+    One decimal under 10 %, so that a narrow band (a GPU's steady kernels) never prints as "±0 %".
+
+    Raises:
+        ValueError: ``noise`` is negative or not a finite number.
+    """
+    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise < float("inf"):
+        raise ValueError(f"noise must be a finite relative band >= 0 (0.05 for 5 %), got {noise!r}")
+    percent = 100 * noise
+    if percent < 0.05:
+        return "±<0.1 %"
+    return f"±{percent:.1f} %" if percent < 9.95 else f"±{percent:.0f} %"
+
+
 @dataclass(frozen=True)
 class Comparison:
     """Two timings from the same run, compared against their own noise.
@@ -140,20 +156,34 @@ class Comparison:
             added (a ratio inside ``[1 / (1 + noise), 1 + noise]`` is not told apart from 1).
         verdict: ``"faster"``, ``"slower"``, ``"within noise"`` or ``"too few repeats"``.
         repeats: the fewer of the two timings' repeat counts.
+        max_repeats: the larger of the two counts (None: not recorded, taken as ``repeats``).
     """
 
     ratio: float
     noise: float
     verdict: str
     repeats: int
+    max_repeats: int | None = None
 
     def sentence(self, candidate: str, baseline: str) -> str:
-        """e.g. ``bf16 ran 1.94x as fast as fp32 (noise band ±12 %, 10 repeats each): faster here``."""
+        """The comparison in words, its verdict judged against the noise band.
+
+        A ratio of at least 1 reads "ran ...x as fast"; below 1 it reads "took ...x as long" (the inverse
+        ratio), so a candidate 18.7 times slower is not reported as "0.05x as fast". The repeat count is
+        the fewer of the two timings' ("at least N repeats each" where the counts differ).
+
+        Example: ``bf16 ran 1.94x as fast as fp32 (noise band ±12 %, 10 repeats each): faster here``.
+        """
         what = {"faster": "faster here", "slower": "slower here",
                 "within noise": "within noise here: no difference this run can tell",
                 "too few repeats": f"too few repeats (< {MIN_REPEATS_FOR_VERDICT}) to tell"}[self.verdict]
-        return (f"{candidate} ran {self.ratio:.2f}x as fast as {baseline} (noise band ±{100 * self.noise:.0f} %, "
-                f"{self.repeats} repeats each): {what}")
+        if self.ratio >= 1:
+            how = f"ran {self.ratio:.2f}x as fast as"
+        else:
+            how = f"took {1 / self.ratio:.2f}x as long as"
+        counted = (f"{self.repeats} repeats each" if self.max_repeats in (None, self.repeats)
+                   else f"at least {self.repeats} repeats each")
+        return f"{candidate} {how} {baseline} (noise band {format_band(self.noise)}, {counted}): {what}"
 
 
 def compare(baseline: Timing, candidate: Timing) -> Comparison:
@@ -183,6 +213,7 @@ def compare(baseline: Timing, candidate: Timing) -> Comparison:
     ratio = baseline.median_ms / candidate.median_ms
     noise = baseline.spread_ms / baseline.median_ms + candidate.spread_ms / candidate.median_ms
     repeats = min(len(baseline.samples_ms), len(candidate.samples_ms))
+    max_repeats = max(len(baseline.samples_ms), len(candidate.samples_ms))
     if repeats < MIN_REPEATS_FOR_VERDICT:
         verdict = "too few repeats"
     elif ratio > 1 + noise:
@@ -191,4 +222,4 @@ def compare(baseline: Timing, candidate: Timing) -> Comparison:
         verdict = "slower"
     else:
         verdict = "within noise"
-    return Comparison(ratio=ratio, noise=noise, verdict=verdict, repeats=repeats)
+    return Comparison(ratio=ratio, noise=noise, verdict=verdict, repeats=repeats, max_repeats=max_repeats)

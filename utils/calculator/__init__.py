@@ -37,6 +37,10 @@ the shapes; the peak is the replay's highest point). The package's files are its
   trains it; ``hf_gpt2.py``: GPT-2's parameters (its step is not replayed yet);
 * ``loss.py``, ``dataparallel.py``, ``optimizers.py``: the chunked loss, ZeRO/FSDP, torch.optim's state and
   temporaries;  ``step.py``: one whole step; ``predict.py``: the public API; ``presets.py``;
+* ``lowbit.py``: fewer bits (notebook 10): an NF4 base under LoRA, peft's upcast, pure bf16 with stochastic
+  rounding or Kahan, FP8 linears; what each replays and what it only models;
+* ``model_parallel.py``: tensor, sequence, pipeline and context parallelism with data parallelism, bytes per GPU
+  (notebook 13);
 * ``reference.py``, ``validate.py``, ``validate_hf.py``: the measured side and the validation grids;
   ``cli.py``: the command line.
 
@@ -66,8 +70,9 @@ What those bounds do not cover:
 
 from __future__ import annotations
 
-from .config import (ARCHS, ATTENTIONS, CHECKPOINTING, DEVICES, HF_ARCHS, KINDS, LORA_TARGETS, LOSSES,
-                     OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, STRATEGIES, ModelConfig, TrainingSetup)
+from .config import (ARCHS, ATTENTIONS, BASE_QUANTS, BF16_ROUNDINGS, CHECKPOINTING, DEVICES, HF_ARCHS, KINDS,
+                     LORA_TARGETS, LOSSES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, STRATEGIES, ModelConfig,
+                     TrainingSetup)
 from .hf import HF_MODEL_TYPES, SHIPPED_CONFIGS, load_hf_config, model_config_from_hf, predict_hf
 from .optimizers import ADAMW8BIT_BLOCK, ADAMW8BIT_CODEBOOKS
 from .predict import TERM_LABELS, MemoryBreakdown, format_table, largest_micro_batch, predict
@@ -77,6 +82,8 @@ from .shapes import count_parameters, parameter_shapes
 from .validate import (GRID_GPT, GRID_LLAMA, MEASURED_TERMS, VALIDATION_HEADER, StepBytes, ValidationRow,
                        format_validation, format_validation_row, measure_reference_step, model_state_per_rank,
                        predict_step_bytes, validate, validation_grid, worst_errors)
+from .model_parallel import (ParallelLayout, ParallelModel, format_parallel, predict_parallel,
+                             smallest_fitting_layout)
 from .cli import main
 
 Prediction = MemoryBreakdown   # the name the issues use for what predict and predict_hf return
@@ -89,5 +96,6 @@ __all__ = [
     "StepBytes", "model_state_per_rank", "predict_step_bytes", "measure_reference_step", "GRID_GPT", "GRID_LLAMA",
     "validation_grid", "ValidationRow", "validate", "worst_errors", "VALIDATION_HEADER", "format_validation_row",
     "format_validation", "main", "predict_hf", "load_hf_config", "model_config_from_hf", "HF_MODEL_TYPES",
-    "SHIPPED_CONFIGS", "HF_ARCHS", "ATTENTIONS", "LOSSES",
+    "SHIPPED_CONFIGS", "HF_ARCHS", "ATTENTIONS", "LOSSES", "BASE_QUANTS", "BF16_ROUNDINGS", "ParallelLayout",
+    "ParallelModel", "format_parallel", "predict_parallel", "smallest_fitting_layout",
 ]

@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from .config import (ARCHS, ATTENTIONS, CHECKPOINTING, DEVICES, LORA_TARGETS, LOSSES, OPTIMIZER_IMPLS, OPTIMIZERS,
-                     PRECISIONS, STRATEGIES, ModelConfig, TrainingSetup)
+from .config import (ARCHS, ATTENTIONS, BASE_QUANTS, BF16_ROUNDINGS, CHECKPOINTING, DEVICES, LORA_TARGETS, LOSSES,
+                     OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, STRATEGIES, ModelConfig, TrainingSetup)
 from .hf import HF_MODEL_TYPES, SHIPPED_CONFIGS, model_config_from_hf
 from .predict import _gib, format_table, largest_micro_batch, predict
 from .presets import PRESETS
@@ -40,8 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     train.add_argument("--precision", choices=PRECISIONS, default="bf16-autocast")
     train.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    train.add_argument("--impl", choices=OPTIMIZER_IMPLS, default="foreach",
-                       help="torch.optim implementation (default foreach, CUDA's default)")
+    train.add_argument("--impl", choices=OPTIMIZER_IMPLS, default=None,
+                       help="torch.optim implementation (default foreach, CUDA's default; for-loop with adamw8bit "
+                            "and --bf16-rounding, which update one tensor at a time)")
     train.add_argument("--checkpointing", choices=CHECKPOINTING, default="none")
     train.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning")
     train.add_argument("--lora-targets", default="all",
@@ -56,6 +57,19 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--strategy", choices=STRATEGIES, default="single")
     train.add_argument("--ranks", type=int, default=1)
     train.add_argument("--device", choices=DEVICES, default="cuda", help="whose op-level details (default cuda)")
+    bits = parser.add_argument_group("fewer bits (notebook 10)")
+    bits.add_argument("--base-quant", choices=BASE_QUANTS, default="none",
+                      help="a frozen 4-bit NF4 base under LoRA (QLoRA; needs --lora-rank and --precision bf16); "
+                           "nf4-double quantises the absmaxes too")
+    bits.add_argument("--quant-block", type=int, default=64, help="elements per NF4 absmax (default 64)")
+    bits.add_argument("--kbit-prepared", action="store_true",
+                      help="with --hf-config and --base-quant: peft's prepare_model_for_kbit_training upcast every "
+                           "non-4-bit parameter to fp32")
+    bits.add_argument("--bf16-rounding", choices=BF16_ROUNDINGS, default="nearest",
+                      help="pure bf16 AdamW (--precision bf16, full fine-tuning): stochastic rounding or a Kahan "
+                           "buffer (utils.lowbit.AdamWBF16)")
+    bits.add_argument("--fp8", action="store_true",
+                      help="dynamic FP8 training of the blocks' Linear layers (torchao's float8 recipe)")
     train.add_argument("--device-gb", type=float, default=80.0,
                        help="device memory in GB (10^9 bytes) for the fit verdict and the largest micro-batch "
                             "(default 80; 0 skips both)")
@@ -66,8 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--check", action="store_true",
                         help="with --validate or --validate-hf: the quick representative subset")
     parser.add_argument("--on", default="cpu", choices=("cpu", "cuda"),
-                        help="with --validate: the device to measure on (cuda: the allocator's figures; this branch "
-                             "has not been run on a GPU yet)")
+                        help="with --validate: the device to measure on (cuda: the allocator's figures; its first "
+                             "GPU run found the cuBLAS workspaces in every peak, since left out)")
+    from .model_parallel import add_arguments as add_model_parallel_arguments
+    add_model_parallel_arguments(parser)      # --tp, --pp, --cp, --dp, --zero, --schedule, --micro-batches
     return parser
 
 
@@ -119,15 +135,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{len(rows)} configurations {where}; worst relative error per term: "
               + ", ".join(f"{term} {value:.2e}" for term, value in worst.items()))
         return 0 if args.on == "cuda" or not any(worst.values()) else 1
+    from . import model_parallel
+    if model_parallel.wants_model_parallel(args):   # notebook 13's per-GPU bytes under TP / PP / CP with DP
+        try:
+            print(model_parallel.run(args))
+        except ValueError as error:
+            parser.error(str(error))
+        return 0
     try:
         model = _model_from_args(args, parser)
         targets = args.lora_targets if args.lora_targets in LORA_TARGETS else tuple(
             name.strip() for name in args.lora_targets.split(",") if name.strip())
+        impl = args.impl or ("for-loop" if args.optimizer == "adamw8bit" or args.bf16_rounding != "nearest"
+                             else "foreach")
         setup = TrainingSetup(micro_batch=args.micro_batch, seq_len=args.seq_len, precision=args.precision,
-                              optimizer=args.optimizer, optimizer_impl=args.impl, checkpointing=args.checkpointing,
+                              optimizer=args.optimizer, optimizer_impl=impl, checkpointing=args.checkpointing,
                               lora_rank=args.lora_rank, lora_targets=targets, chunked_loss=args.chunked_loss,
                               accumulation_steps=args.accumulation, strategy=args.strategy, ranks=args.ranks,
-                              device=args.device, lora_dropout=args.lora_dropout, padded=args.padded, loss=args.loss)
+                              device=args.device, lora_dropout=args.lora_dropout, padded=args.padded, loss=args.loss,
+                              base_quant=args.base_quant, quant_block=args.quant_block,
+                              kbit_prepared=args.kbit_prepared, bf16_rounding=args.bf16_rounding, fp8=args.fp8)
         breakdown = predict(model, setup)
     except ValueError as error:
         parser.error(str(error))

@@ -18,6 +18,8 @@ CHECKPOINTING = ("none", "every_block", "selective")
 LORA_TARGETS = ("all", "attention")
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp")
 DEVICES = ("cuda", "cpu")
+BASE_QUANTS = ("none", "nf4", "nf4-double")       # a frozen 4-bit base (QLoRA), with double quantisation or not
+BF16_ROUNDINGS = ("nearest", "stochastic", "kahan")  # how pure bf16 AdamW writes its update (notebook 10)
 KINDS = ("parameters", "gradients", "optimizer_state", "activations", "loss", "weight_copies", "comm_buffers",
          "inputs", "temporaries")
 
@@ -188,6 +190,19 @@ class TrainingSetup:
         ranks: data-parallel ranks (1 for ``"single"``, at least 2 otherwise).
         device: ``"cuda"`` or ``"cpu"``: the few op-level details that differ (pure bf16 LayerNorm
             statistics are bf16 on the CPU, fp32 on CUDA).
+        base_quant: fewer bits (notebook 10; ``calculator/lowbit.py`` says what is replayed): ``"none"``;
+            ``"nf4"`` or ``"nf4-double"``: every Linear weight of the blocks stored in 4-bit NF4 with an fp32
+            absmax per ``quant_block`` elements (``"nf4-double"``: the absmaxes in int8, one fp32 scale per 256
+            of them), frozen under LoRA (QLoRA: needs ``lora_rank > 0`` and ``precision="bf16"``).
+        quant_block: NF4's block (even, > 0, dividing every weight; QLoRA's 64).
+        kbit_prepared: peft's ``prepare_model_for_kbit_training`` ran first: every non-4-bit parameter of the
+            bf16 model (embeddings, head, norms, biases) upcast to fp32 (needs a 4-bit base).
+        bf16_rounding: pure bf16 AdamW (``precision="bf16"``, full fine-tuning): ``"nearest"`` is
+            torch.optim's; ``"stochastic"`` and ``"kahan"`` are ``utils.lowbit.AdamWBF16`` (notebook 10's
+            update: bf16 moments, a Python-int step count; ``"kahan"`` adds a bf16 compensation buffer), with
+            ``optimizer="adamw"`` and ``optimizer_impl="for-loop"``.
+        fp8: dynamic FP8 training of the blocks' Linear layers (torchao's float8 recipe, tensorwise): the
+            model state of ``precision`` (``"bf16-autocast"`` or ``"bf16"``), one-byte copies per matmul.
 
     Raises:
         ValueError: an unknown choice, a non-positive size, a strategy that needs more ranks than
@@ -214,6 +229,11 @@ class TrainingSetup:
     lora_dropout: float = 0.0
     padded: bool = False
     loss: str = "labels"
+    base_quant: str = "none"
+    quant_block: int = 64
+    kbit_prepared: bool = False
+    bf16_rounding: str = "nearest"
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         positive_int("micro_batch", self.micro_batch, "sequences per device")
@@ -222,7 +242,7 @@ class TrainingSetup:
         positive_int("ranks", self.ranks)
         for name, allowed in [("precision", PRECISIONS), ("optimizer", OPTIMIZERS), ("optimizer_impl", OPTIMIZER_IMPLS),
                               ("checkpointing", CHECKPOINTING), ("strategy", STRATEGIES), ("device", DEVICES),
-                              ("loss", LOSSES)]:
+                              ("loss", LOSSES), ("base_quant", BASE_QUANTS), ("bf16_rounding", BF16_ROUNDINGS)]:
             _choice(name, getattr(self, name), allowed)
         if isinstance(self.lora_targets, tuple):
             if not self.lora_targets or not all(isinstance(n, str) and n for n in self.lora_targets):
@@ -248,9 +268,52 @@ class TrainingSetup:
         if self.optimizer_impl == "fused" and self.optimizer not in ("sgd", "sgd_momentum", "adam", "adamw"):
             raise ValueError(f"torch.optim has no fused {self.optimizer!r}: expected optimizer_impl 'for-loop' or "
                              "'foreach' (fused exists for sgd, sgd_momentum, adam, adamw)")
+        self._check_fewer_bits()
         if self.optimizer == "adamw8bit" and self.optimizer_impl != "for-loop":
             raise ValueError("utils.AdamW8bit updates one tensor at a time: expected optimizer_impl 'for-loop' "
                              f"with optimizer 'adamw8bit', got {self.optimizer_impl!r}")
+
+    def _check_fewer_bits(self) -> None:
+        """Notebook 10's options: each combination that means nothing is refused, saying what is expected."""
+        for name in ("kbit_prepared", "fp8"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        block = self.quant_block
+        if isinstance(block, bool) or not isinstance(block, int) or block <= 0 or block % 2:
+            raise ValueError(f"quant_block must be a positive even int (elements per NF4 absmax; QLoRA's 64), got "
+                             f"{block!r}")
+        if self.base_quant == "none":
+            if block != 64:
+                raise ValueError(f"quant_block {block} sets NF4's block: expected base_quant 'nf4' or 'nf4-double' "
+                                 "with it")
+            if self.kbit_prepared:
+                raise ValueError("kbit_prepared models prepare_model_for_kbit_training on a 4-bit model: expected "
+                                 "base_quant 'nf4' or 'nf4-double' with it")
+        else:
+            if not self.lora_rank:
+                raise ValueError(f"base_quant {self.base_quant!r} stores a frozen base, and a frozen model with "
+                                 "nothing else trains nothing: expected lora_rank > 0 (QLoRA)")
+            if self.precision != "bf16":
+                raise ValueError(f"base_quant {self.base_quant!r} dequantises to bf16 around a bf16 model (QLoRA's "
+                                 f"compute dtype): expected precision 'bf16', got {self.precision!r}")
+            if self.strategy not in ("single", "ddp"):
+                raise ValueError(f"a 4-bit base is modelled on one device or under DDP: expected strategy 'single' "
+                                 f"or 'ddp', got {self.strategy!r}")
+            if self.fp8:
+                raise ValueError("fp8 and a 4-bit base are separate recipes: expected fp8=False with base_quant "
+                                 f"{self.base_quant!r}")
+        if self.bf16_rounding != "nearest":
+            wanted = {"precision": "bf16", "optimizer": "adamw", "optimizer_impl": "for-loop", "lora_rank": 0}
+            wrong = {k: getattr(self, k) for k, v in wanted.items() if getattr(self, k) != v}
+            if wrong:
+                raise ValueError(f"bf16_rounding {self.bf16_rounding!r} is pure bf16 AdamW on every parameter "
+                                 f"(utils.lowbit.AdamWBF16, one tensor at a time): expected {wanted}, got {wrong}")
+            if self.strategy not in ("single", "ddp"):
+                raise ValueError(f"bf16_rounding {self.bf16_rounding!r} is modelled on one device or under DDP: "
+                                 f"expected strategy 'single' or 'ddp', got {self.strategy!r}")
+        if self.fp8 and self.precision == "fp32":
+            raise ValueError("FP8 training casts from bf16 matmuls: expected precision 'bf16-autocast' (fp32 master "
+                             "weights) or 'bf16' with fp8=True, got 'fp32'")
 
     @property
     def tokens(self) -> int:

@@ -13,6 +13,8 @@ def _optimizer_state_bytes(model: ModelConfig, setup: TrainingSetup, ranks: int 
     from ..footprint import predict_optimizer_state_bytes
 
     shapes = [shape for _, shape, trainable in parameter_shapes(model, setup) if trainable]
+    if setup.bf16_rounding != "nearest":       # utils.lowbit.AdamWBF16: m, v (and Kahan's c) in bf16, no step tensor
+        return (3 if setup.bf16_rounding == "kahan" else 2) * 2 * sum(math.prod(shape) for shape in shapes)
     if ranks > 1:
         shapes = [(math.ceil(shape[0] / ranks),) + tuple(shape[1:]) for shape in shapes]
     total = predict_optimizer_state_bytes(shapes, setup.optimizer)
@@ -36,6 +38,8 @@ def _optimizer_state_per_rank(model: ModelConfig, setup: TrainingSetup) -> int:
     """
     if setup.strategy in ("single", "ddp"):
         return _optimizer_state_bytes(model, setup)
+    if setup.bf16_rounding != "nearest":  # pragma: no cover - TrainingSetup refuses sharding with it
+        raise ValueError("bf16_rounding is modelled on one device or under DDP")
     if setup.strategy == "fsdp":
         return _optimizer_state_bytes(model, setup, ranks=setup.ranks)
     total = _optimizer_state_bytes(model, setup)
@@ -62,6 +66,11 @@ def _optimizer_temporaries(r: _Replay, leaves: list[_Leaf], setup: TrainingSetup
     """The allocations of one steady-state ``optimizer.step()`` (its state exists already)."""
     opt, impl = setup.optimizer, setup.optimizer_impl
     host_scalars = r.device == "cpu"            # torch.tensor(1.0) for CPU step counters
+    if setup.bf16_rounding != "nearest":
+        from .lowbit import adamw_bf16_temporaries
+
+        adamw_bf16_temporaries(r, leaves, setup.bf16_rounding)
+        return
     if impl == "fused" or opt in ("sgd", "sgd_momentum"):
         return
     if opt in ("adam", "adamw"):

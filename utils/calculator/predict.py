@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 
 from ..checks import positive_int
 from .config import KINDS, ModelConfig, TrainingSetup
+from .lowbit import _LowBitStep, check_lowbit, lowbit_notes, lowbit_on
 from .shapes import count_parameters
 from .step import _Step
 
@@ -44,6 +45,8 @@ class MemoryBreakdown:
         phase: where the peak happens ("forward, block 3", "backward, loss", "optimizer step", ...).
         largest: term -> its largest value during the step, bytes.
         num_parameters: parameter elements (adapters included); trainable_parameters: those that train.
+        notes: what the replay models without measuring, or does not replay, for the set-up's fewer-bits
+            options (``calculator/lowbit.py``); empty otherwise.
     """
 
     model: ModelConfig
@@ -61,11 +64,18 @@ class MemoryBreakdown:
     largest: dict[str, int] = field(default_factory=dict)
     num_parameters: int = 0
     trainable_parameters: int = 0
+    notes: tuple[str, ...] = ()
 
     @property
     def total(self) -> int:
         """The peak, bytes: the sum of the terms alive at that moment."""
         return sum(getattr(self, kind) for kind in KINDS)
+
+    @property
+    def model_state(self) -> int:
+        """Parameters (and buffers), gradients and optimizer state, each at its largest: what stays between steps
+        (the gradients until ``zero_grad``), bytes. Notebook 10's table divides it by the parameter count."""
+        return sum(self.largest.get(kind, 0) for kind in ("parameters", "gradients", "optimizer_state"))
 
     def terms(self) -> dict[str, int]:
         """Term -> bytes alive at the peak, in ``KINDS`` order."""
@@ -101,6 +111,10 @@ def _check_design(model: ModelConfig, setup: TrainingSetup) -> None:
         if given:
             raise ValueError(f"{', '.join(given)}: modelled for transformers' designs (predict_hf); the course's "
                              f"design {model.arch!r} has no attention mask, LoRA dropout or peft module names")
+        if setup.kbit_prepared:
+            raise ValueError("kbit_prepared is peft's prepare_model_for_kbit_training, for transformers' models: "
+                             "expected a transformers config (predict_hf, --hf-config)")
+        check_lowbit(model, setup)
         return
     if setup.chunked_loss:
         raise ValueError("a chunked loss is modelled for the course's designs: transformers' models compute their "
@@ -112,6 +126,7 @@ def _check_design(model: ModelConfig, setup: TrainingSetup) -> None:
         from .hf_llama import hf_lora_targets
 
         hf_lora_targets(model, setup)              # a target that names no module fails here, before any work
+        check_lowbit(model, setup)
     else:
         from .hf_gpt2 import gpt2_lora_targets
 
@@ -132,7 +147,7 @@ def _replay(model: ModelConfig, setup: TrainingSetup, trace: bool = False) -> _S
     _check_design(model, setup)
     if setup.strategy == "fsdp" and model.num_layers < 1:  # pragma: no cover - num_layers is positive
         raise ValueError("FSDP shards per block: expected at least one block")
-    return _Step(model, setup, trace).run()
+    return (_LowBitStep if lowbit_on(setup) else _Step)(model, setup, trace).run()
 
 
 def predict(model: ModelConfig, setup: TrainingSetup) -> MemoryBreakdown:
@@ -164,7 +179,7 @@ def predict(model: ModelConfig, setup: TrainingSetup) -> MemoryBreakdown:
     return MemoryBreakdown(model=model, setup=setup, phase=_phase_label(step.peak_phase, setup),
                            largest=dict(step.largest), num_parameters=count_parameters(model, setup),
                            trainable_parameters=count_parameters(model, setup, trainable_only=True),
-                           **{kind: kinds.get(kind, 0) for kind in KINDS})
+                           notes=lowbit_notes(setup), **{kind: kinds.get(kind, 0) for kind in KINDS})
 
 
 def largest_micro_batch(model: ModelConfig, setup: TrainingSetup, device_bytes: int, *, limit: int = 4096) -> int:
@@ -229,6 +244,13 @@ def format_table(breakdown: MemoryBreakdown, *, device_bytes: int | None = None)
     model, setup = breakdown.model, breakdown.setup
     targets = setup.lora_targets if isinstance(setup.lora_targets, str) else ", ".join(setup.lora_targets)
     lora = f"LoRA r={setup.lora_rank} ({targets})" if setup.lora_rank else "full fine-tuning"
+    if setup.base_quant != "none":
+        lora += (f" on an NF4 base (block {setup.quant_block}{', double quantisation' if setup.base_quant == 'nf4-double' else ''}"
+                 f"{', prepare_model_for_kbit_training' if setup.kbit_prepared else ''})")
+    if setup.bf16_rounding != "nearest":
+        lora += f", bf16 updates with {setup.bf16_rounding} {'rounding' if setup.bf16_rounding == 'stochastic' else 'summation'}"
+    if setup.fp8:
+        lora += ", FP8 block linears"
     lines = [
         f"{model.name}: {breakdown.num_parameters / 1e9:,.3f} B parameters ({breakdown.trainable_parameters / 1e9:,.3f} B "
         f"trainable), {model.num_layers} layers, d_model {model.d_model}, {model.num_heads} heads "
@@ -252,4 +274,5 @@ def format_table(breakdown: MemoryBreakdown, *, device_bytes: int | None = None)
         positive_int("device_bytes", device_bytes, "bytes")
         verdict = "fits" if breakdown.total <= device_bytes else "does not fit"
         lines.append(f"{verdict} in {_gib(device_bytes)} GiB ({breakdown.total / device_bytes:.0%} of it)")
+    lines += [f"note: {note}" for note in breakdown.notes]
     return "\n".join(lines)
