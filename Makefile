@@ -9,7 +9,10 @@ VENV := $(if $(filter $(PINNED_TORCH),$(TORCH)),.venv,.venv-torch$(TORCH))
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 # Test processes run side by side (pytest-xdist), each notebook kernel with one torch thread: on a 2-core
-# machine two kernels of one thread each finish sooner than one kernel of two threads after another.
+# machine two kernels of one thread each finish sooner than one kernel of two threads after another. tests/conftest.py
+# deals the long tests out evenly among the workers. nbval's pytest plugin is off (`-p no:nbval`): the tests compare
+# the marked outputs themselves, and the plugin would import jsonschema before tests/conftest.py can spare each
+# process the 2 s that jsonschema's optional rfc3987_syntax costs on import.
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, os.cpu_count() or 1)))")
 
 .PHONY: help check test run lab student clean
@@ -26,7 +29,7 @@ $(INSTALLED): requirements.txt pyproject.toml
 	touch $@
 
 check: $(INSTALLED)  ## create .venv, install, run every test (notebooks in check mode, in parallel)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=20
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=20 -p no:nbval
 
 test: check  ## same as check
 

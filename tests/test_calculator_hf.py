@@ -74,8 +74,13 @@ def test_bad_input_is_refused_before_any_work(tmp_path):
         C.predict_hf("llama-2-7b", chunked_loss=128)
     with pytest.raises(ValueError, match="padded: modelled for transformers' designs"):
         C.predict(C.PRESETS["7B"], C.TrainingSetup(padded=True))
-    with pytest.raises(ValueError, match="GPT-2's training step is not replayed yet"):
-        C.predict_hf("gpt2")
+    gpt2 = C.load_hf_config("gpt2", as_dict=True)
+    with pytest.raises(ValueError, match="GPT-2 activation_function 'relu' is not modelled"):
+        C.predict_hf({**gpt2, "activation_function": "relu"})
+    with pytest.raises(ValueError, match=r"GPT-2 with \['reorder_and_upcast_attn'\] is not modelled"):
+        C.predict_hf({**gpt2, "reorder_and_upcast_attn": True})
+    with pytest.raises(ValueError, match=r"LoRA target\(s\) \['q_proj'\] name no Conv1D layer of a GPT-2 block"):
+        C.predict_hf("gpt2", lora_rank=8, lora_targets=("q_proj",))
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")   # peft calls it
@@ -95,6 +100,40 @@ def test_parameters_follow_the_real_peft_model():
     real = [(name.removeprefix("base_model.model."), tuple(p.shape), p.requires_grad)
             for name, p in net.named_parameters()]
     assert C.parameter_shapes(model, setup) == real
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")   # peft: Conv1D's fan_in_fan_out is set to True
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_gpt2_parameters_follow_the_real_peft_model():
+    """GPT-2's Conv1D weights are (in, out); peft wraps them (fan_in_fan_out) with (r, in) and (out, r) adapters."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from utils.calculator.validate_hf import hf_config_for, _tiny_gpt2
+    from transformers import AutoModelForCausalLM
+
+    for tied in (True, False):
+        model = _tiny_gpt2(tied_embeddings=tied)
+        setup = C.TrainingSetup(lora_rank=4, lora_targets=("c_attn", "c_proj"))
+        with torch.device("meta"):
+            net = get_peft_model(AutoModelForCausalLM.from_config(hf_config_for(model)),
+                                 LoraConfig(r=4, target_modules=["c_attn", "c_proj"]))
+        real = [(name.removeprefix("base_model.model."), tuple(p.shape), p.requires_grad)
+                for name, p in net.named_parameters()]
+        assert C.parameter_shapes(model, setup) == real
+
+
+def test_gpt2_reads_its_dropouts_activation_and_peft_default():
+    from peft import LoraConfig
+
+    gpt2 = C.model_config_from_hf("gpt2")
+    assert gpt2.dropout == (0.1, 0.1, 0.1) and gpt2.activation == "gelu_new" and gpt2.tied_embeddings
+    setup = C.TrainingSetup(seq_len=256, micro_batch=2)
+    lora = C.predict_hf("gpt2", setup, lora=LoraConfig(r=8))
+    assert lora.setup.lora_targets == ("c_attn",)                        # peft's default for GPT-2
+    assert lora.trainable_parameters == 12 * 8 * (768 + 3 * 768)         # A (8 x 768), B (2304 x 8) per block
+    no_dropout = C.load_hf_config("gpt2", as_dict=True) | {"embd_pdrop": 0.0, "attn_pdrop": 0.0, "resid_pdrop": 0.0}
+    assert C.predict_hf(no_dropout, setup).total < C.predict_hf("gpt2", setup).total   # noise tensors, math sdpa
 
 
 def test_the_replay_equals_transformers_measured_by_memtracker_to_the_byte():
@@ -123,6 +162,10 @@ def test_hf_grid_covers_what_the_issue_asks():
     assert any(s.lora_rank and s.checkpointing == "none" for s in setups)
     assert {s.loss for s in setups} == set(C.LOSSES)
     assert any(s.padded for s in setups) and len({s.optimizer for s in setups}) >= 2
+    gpt2 = [(m, s) for _, m, s in grid if m.arch == "hf-gpt2"]
+    assert {m.attention for m, _ in gpt2} == {"sdpa", "eager"} and any(any(m.dropout) for m, _ in gpt2)
+    assert any(s.lora_rank for _, s in gpt2) and any(s.checkpointing != "none" for _, s in gpt2)
+    assert {s.precision for _, s in gpt2} == set(C.PRECISIONS)
 
 
 def test_command_line_reads_a_config_file(capsys):

@@ -72,3 +72,10 @@ def test_results_bad_input(build):
     with pytest.raises(FileNotFoundError, match="run the notebook"):
         utils.load_results("98_missing")
     assert results_module.main([]) == 1    # nothing recorded yet in this build dir
+
+
+def test_the_readme_prints_noise_bands_as_the_notebooks_do():
+    import tools.readme_results as readme
+    from utils.timing import format_band
+    for noise in (0.0, 0.0004, 0.004, 0.0449, 0.05, 0.0999, 0.1, 0.25, 1.3):
+        assert readme.format_band(noise) == format_band(noise), noise

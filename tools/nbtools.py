@@ -243,23 +243,23 @@ def run_check_mode(notebook_path: Path, output: Path, *, build: Path, timeout_s:
     started = time.perf_counter()
     with notebook_environment(check_mode=True, build=build, torch_threads=torch_threads):
         with client.setup_kernel():
-            for index, cell in enumerate(source.cells):
-                if index == first:
-                    run.student_error, run.student_failed_cell = _probe_student(client, student, first,
-                                                                                CellExecutionError)
-                if cell.cell_type == "code":
-                    try:
+            try:
+                for index, cell in enumerate(source.cells):
+                    if index == first:
+                        run.student_error, run.student_failed_cell = _probe_student(client, student, first,
+                                                                                    CellExecutionError)
+                    if cell.cell_type == "code":
                         client.execute_cell(cell, index)
-                    finally:
-                        output.parent.mkdir(parents=True, exist_ok=True)
-                        nbformat.write(source, output)
-                graded_id = _graded_exercise(source, index)
-                if graded_id is not None and wrong_answers and graded_id in wrong_answers:
-                    tried = time.perf_counter()
-                    run.wrong_answers[graded_id] = _try_wrong_answers(client, source, index - 1,
-                                                                      wrong_answers[graded_id])
-                    run.wrong_answer_seconds += time.perf_counter() - tried
-            run.kernel_cpu_seconds = _kernel_cpu_seconds(client, source)
+                    graded_id = _graded_exercise(source, index)
+                    if graded_id is not None and wrong_answers and graded_id in wrong_answers:
+                        tried = time.perf_counter()
+                        run.wrong_answers[graded_id] = _try_wrong_answers(client, source, index - 1,
+                                                                          wrong_answers[graded_id])
+                        run.wrong_answer_seconds += time.perf_counter() - tried
+                run.kernel_cpu_seconds = _kernel_cpu_seconds(client, source)
+            finally:      # once, also when a cell failed: the executed copy then ends with that cell's traceback
+                output.parent.mkdir(parents=True, exist_ok=True)
+                nbformat.write(source, output)
     run.seconds = time.perf_counter() - started
     run.marked_outputs = {c.id: stream_text(c) for c in source.cells
                           if c.cell_type == "code" and NBVAL_MARKER in c.source}

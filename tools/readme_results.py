@@ -220,7 +220,16 @@ def _value(figure: dict | None, label: str = "") -> str:
         return f"{TIMING_MARK} {text} (spread not recorded)"
     verdict = f"; {figure['verdict']}" if figure.get("verdict") else ""
     text = text.replace(" (a slowdown here)", "")          # the verdict, judged against the band, says it
-    return f"{TIMING_MARK} {text} ±{100 * figure['noise']:.0f} %{verdict}"
+    return f"{TIMING_MARK} {text} {format_band(figure['noise'])}{verdict}"
+
+
+def format_band(noise: float) -> str:
+    """``utils.timing.format_band``'s text (one decimal under 10 %, never "±0 %"), without importing torch here
+    (tests/test_plots_results.py checks that the two agree)."""
+    percent = 100 * noise
+    if percent < 0.05:
+        return "±<0.1 %"
+    return f"±{percent:.1f} %" if percent < 9.95 else f"±{percent:.0f} %"
 
 
 def _plain_value(figure: dict, label: str = "") -> str:

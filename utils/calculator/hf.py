@@ -8,8 +8,8 @@ each with its source) by short name, or a config.json by path. Reading a config 
 only a ``PretrainedConfig`` or ``LoraConfig`` passed in brings its package along.
 
 Supported: the Llama family (``model_type`` in ``HF_MODEL_TYPES``: llama, mistral, qwen2; the models that
-share ``LlamaDecoderLayer``'s design), whose step is replayed; GPT-2, whose parameters are counted (its step
-is not replayed yet: ``predict_hf`` says so). Anything else is a ``ValueError`` that lists them.
+share ``LlamaDecoderLayer``'s design) and GPT-2 (``GPT2LMHeadModel``: its dropouts as configured, its
+``activation_function``), each step replayed. Anything else is a ``ValueError`` that lists them.
 """
 
 from __future__ import annotations
@@ -129,11 +129,18 @@ def model_config_from_hf(config: Any, *, attention: str | None = None) -> ModelC
         if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
             raise ValueError(f"GPT-2 activation_function {act!r} is not modelled: expected 'gelu_new', "
                              "'gelu_pytorch_tanh' or 'gelu'")
+        unsupported = [key for key in ("add_cross_attention", "reorder_and_upcast_attn") if fields.get(key)]
+        if unsupported or fields.get("scale_attn_weights", True) is False:
+            raise ValueError(f"GPT-2 with {unsupported or ['scale_attn_weights=False']} is not modelled: expected "
+                             "the defaults (add_cross_attention=False, reorder_and_upcast_attn=False, "
+                             "scale_attn_weights=True)")
+        dropout = tuple(float(fields.get(key, 0.1)) for key in ("embd_pdrop", "attn_pdrop", "resid_pdrop"))
         return ModelConfig(num_layers=fields["n_layer"], d_model=fields["n_embd"], num_heads=fields["n_head"],
                            vocab_size=fields["vocab_size"], ffn_width=fields.get("n_inner") or 4 * fields["n_embd"],
                            max_seq_len=fields.get("n_positions", 1024), arch=arch,
                            tied_embeddings=fields.get("tie_word_embeddings", True), name=str(name),
-                           attention=attention, use_cache=fields.get("use_cache", True))
+                           attention=attention, use_cache=fields.get("use_cache", True), dropout=dropout,
+                           activation=act)
     act = fields.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not modelled: expected 'silu' (Llama's SwiGLU)")
@@ -211,7 +218,10 @@ def predict_hf(config: Any, setup: TrainingSetup | None = None, *, lora: Any = N
     if not isinstance(setup, TrainingSetup):
         raise TypeError(f"setup must be a TrainingSetup, got {type(setup).__name__}")
     if lora is not None:
-        setup_overrides = {**lora_overrides(lora), **setup_overrides}
+        overrides = lora_overrides(lora)
+        if model.arch == "hf-gpt2" and getattr(lora, "target_modules", None) is None:
+            overrides["lora_targets"] = ("c_attn",)   # peft's default for GPT-2
+        setup_overrides = {**overrides, **setup_overrides}
     if setup_overrides:
         setup = replace(setup, **setup_overrides)
     return predict(model, setup)

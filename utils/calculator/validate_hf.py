@@ -7,126 +7,36 @@ measures that step twice, independently of the course's own tracker:
 
 * torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``), where it runs: torch 2.13's refuses
   a model with frozen parameters, so LoRA configurations are measured by the second tool only;
-* ``StorageCounter``, a ``TorchDispatchMode`` written for this module that follows every storage an op
-  returns with a weakref (they agree to the byte wherever both run; the grid asserts it).
+* ``StorageCounter`` (``counter.py``), a ``TorchDispatchMode`` written apart from the course's tracker that
+  follows every storage an op returns with a weakref (they agree to the byte wherever both run; the grid
+  asserts it).
 
 Both count the model's parameters and buffers, the optimizer's state and the batch from the start.
 
-Result (issue 33; torch 2.13.0+cpu, transformers 5.24.0, peft 0.21.2): on all 28 configurations of the grid
-the predicted peak equals the measured one to the byte, and MemTracker and the counter agree to the byte on
-the 21 where MemTracker runs (it refuses the 6 LoRA models and, with accumulation, a module called twice). The
-tests assert it on a 4-configuration subset. Not covered: GPT-2's step (not replayed), CUDA (the replay has
-CUDA's op-level choices, e.g. dropout's bool mask, but no GPU has measured them), a padded batch together
-with Mistral's sliding window (its mask's temporaries are not modelled).
+Result (issue 33; torch 2.13.0+cpu, transformers 5.24.0, peft 0.21.2): on all 42 configurations of the grid
+(32 of the Llama family, 10 of GPT-2) the predicted peak equals the measured one to the byte (worst error 0
+bytes), and MemTracker and the counter agree to the byte on the 31 where MemTracker runs (it refuses the 8
+LoRA models and, with accumulation, a module called twice). The tests assert it on a 5-configuration subset.
+One thing a tracker changes: under any ``TorchDispatchMode`` (MemTracker, the counter) sdpa's math kernel
+(attention dropout on the CPU) adds its mask out of place, one (B, H, T, T) tensor more for a moment than an
+untracked step; the replay follows the tracked step. Not covered: CUDA (the replay has CUDA's op-level
+choices, e.g. dropout's bool mask, but no GPU has measured them), a padded batch together with Mistral's
+sliding window (its mask's temporaries are not modelled).
 """
 
 from __future__ import annotations
 
 import warnings
-import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
+
+from .counter import StorageCounter
 
 
 def _torch():  # noqa: ANN202 - imported lazily
     import torch
 
     return torch
-
-
-class StorageCounter:
-    """Bytes of live tensor storage on the CPU, followed op by op (a ``TorchDispatchMode``), with a peak.
-
-    Written apart from ``utils.measure_memory``: each storage an op returns is followed by a weakref
-    (``weakref.finalize``) and counted once, whatever views of it exist; a storage an op received as an
-    input (a view, an in-place result) is not new. ``follow`` adds tensors that exist already.
-
-    Example:
-        >>> with StorageCounter() as counter:
-        ...     counter.follow(model.parameters())
-        ...     step()
-        >>> counter.peak_bytes
-    """
-
-    def __init__(self, trace: bool = False) -> None:
-        torch = _torch()
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
-                out = func(*args, **(kwargs or {}))
-                counter._seen(func, args, kwargs, out)
-                return out
-
-        self._mode = _Mode()
-        self._torch = torch
-        self.live: dict[int, int] = {}
-        self.current = 0
-        self.peak_bytes = 0
-        self.phase = "start"
-        self.peak_phase = "start"
-        self.marks: dict[str, int] = {}
-        self.events: list[tuple[str, int, str]] | None = [] if trace else None
-        self._finalizers: list[Any] = []
-
-    def _add(self, storage: Any, label: str) -> None:
-        key = storage._cdata
-        if key in self.live or storage.nbytes() == 0:
-            return
-        self.live[key] = storage.nbytes()
-        self.current += storage.nbytes()
-        if self.events is not None:
-            self.events.append((self.phase, storage.nbytes(), label))
-        if self.current > self.peak_bytes:
-            self.peak_bytes, self.peak_phase = self.current, self.phase
-        self._finalizers.append(weakref.finalize(storage, self._free, key))
-
-    def _free(self, key: int) -> None:
-        nbytes = self.live.pop(key, None)
-        if nbytes is not None:
-            self.current -= nbytes
-            if self.events is not None:
-                self.events.append((self.phase, -nbytes, "free"))
-
-    def _seen(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        torch = self._torch
-        from torch.utils._pytree import tree_flatten
-
-        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
-        fresh = func is torch.ops.aten.lift_fresh.default
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided:
-                storage = t.untyped_storage()
-                if storage._cdata in inputs and not fresh:
-                    continue
-                self._add(storage, str(func))
-
-    def follow(self, tensors: Any) -> None:
-        """Count tensors that exist already (parameters, optimizer state, the batch)."""
-        torch = self._torch
-        from torch.utils._pytree import tree_flatten
-
-        for t in tree_flatten(list(tensors))[0]:
-            if isinstance(t, torch.Tensor):
-                self._add(t.untyped_storage(), "existing")
-
-    def mark(self, phase: str) -> None:
-        """Start a named phase (the bytes alive when each phase ends are kept in ``marks``)."""
-        self.marks[self.phase] = self.current
-        self.phase = phase
-
-    def __enter__(self) -> "StorageCounter":
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._mode.__exit__(*exc)
-        self.marks[self.phase] = self.current
-        for finalizer in self._finalizers:
-            finalizer.detach()
 
 
 # --- the real model and its step -------------------------------------------------------------------------------
@@ -139,7 +49,9 @@ def hf_config_for(model: Any) -> Any:
         return transformers.GPT2Config(n_layer=model.num_layers, n_embd=model.d_model, n_head=model.num_heads,
                                        vocab_size=model.vocab_size, n_positions=model.max_seq_len,
                                        n_inner=model.ffn if model.ffn != 4 * model.d_model else None,
-                                       tie_word_embeddings=model.tied_embeddings, use_cache=model.use_cache)
+                                       tie_word_embeddings=model.tied_embeddings, use_cache=model.use_cache,
+                                       embd_pdrop=model.dropout[0], attn_pdrop=model.dropout[1],
+                                       resid_pdrop=model.dropout[2], activation_function=model.activation or "gelu_new")
     config_class = transformers.Qwen2Config if model.qkv_bias and not model.out_bias else transformers.LlamaConfig
     if model.sliding_window is not None:
         config_class = transformers.MistralConfig
@@ -207,7 +119,7 @@ def make_hf_batch(model: Any, setup: Any, *, seed: int = 0) -> dict[str, Any]:
     shape = (setup.accumulation_steps, setup.micro_batch, setup.seq_len)
     ids = torch.randint(0, model.vocab_size, shape, generator=generator)
     batch = {"input_ids": ids}
-    if setup.loss == "labels":
+    if setup.loss in ("labels", "shifted-sum"):       # shifted by the model, or by the loss
         labels = ids.clone()
     else:                                             # your own loss: next-token targets
         labels = torch.roll(ids, -1, dims=-1).contiguous()
@@ -227,7 +139,9 @@ def hf_reference_step(net: Any, optimizer: Any, batch: dict[str, Any], setup: An
     For each micro-batch: under ``torch.autocast`` when the precision says so,
     ``loss = net(input_ids=..., attention_mask=..., labels=...).loss`` (the output object, which holds the
     logits and the cache, is dropped at once), or with ``setup.loss == "logits"`` your own
-    ``F.cross_entropy(net(...).logits.flatten(0, 1).float(), targets.flatten())``; then ``loss.backward()``
+    ``F.cross_entropy(net(...).logits.flatten(0, 1).float(), targets.flatten())``, or with ``"shifted-sum"``
+    notebook 15's ``train_step`` (the targets counted first, ``loss_sum(net(...), labels) / count``, a running
+    total, each loss kept until the next replaces it); then ``loss.backward()``
     (``(loss / accumulation_steps).backward()`` when accumulating); then ``optimizer.step()`` and
     ``optimizer.zero_grad(set_to_none=True)``. ``mark(phase)`` is called where the replay's phases begin
     (embeddings, each layer's forward and backward, the head, the loss's backward, the optimizer).
@@ -249,6 +163,9 @@ def hf_reference_step(net: Any, optimizer: Any, batch: dict[str, Any], setup: An
             handles.append(layer.register_forward_hook(after))
         handles.append(final_norm.register_forward_pre_hook(lambda m, a: mark(f"{_micro[0]}.head")))
     _micro = ["m0"]
+    if setup.loss == "shifted-sum":                   # notebook 15's train_step: the whole batch's targets counted
+        count = (batch["labels"][..., 1:] != -100).sum()
+        total = torch.zeros(())
     try:
         for micro in range(setup.accumulation_steps):
             _micro[0] = f"m{micro}"
@@ -260,6 +177,8 @@ def hf_reference_step(net: Any, optimizer: Any, batch: dict[str, Any], setup: An
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 if setup.loss == "labels":
                     loss = net(**kwargs, labels=batch["labels"][micro]).loss
+                elif setup.loss == "shifted-sum":
+                    loss = _shifted_sum(net(**kwargs), batch["labels"][micro]) / count
                 else:
                     logits = net(**kwargs).logits
                     loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"][micro].flatten())
@@ -268,6 +187,10 @@ def hf_reference_step(net: Any, optimizer: Any, batch: dict[str, Any], setup: An
                     mark(f"m{micro}.exit")
             if mark is not None:
                 mark(f"m{micro}.bloss")
+            if setup.loss == "shifted-sum":
+                loss.backward()
+                total += loss.detach()                # the loss lives on until the next one replaces it
+                continue
             (loss / setup.accumulation_steps if setup.accumulation_steps > 1 else loss).backward()
             del loss
         if mark is not None:
@@ -279,6 +202,14 @@ def hf_reference_step(net: Any, optimizer: Any, batch: dict[str, Any], setup: An
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _shifted_sum(outputs: Any, labels: Any) -> Any:
+    """Notebook 15's ``llama_loss_sum``: position t predicts t + 1, summed over the targets that count."""
+    import torch.nn.functional as F
+
+    logits = outputs.logits[:, :-1]
+    return F.cross_entropy(logits.flatten(0, -2), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum")
 
 
 def _layers_and_norm(net: Any) -> tuple[Any, Any]:
@@ -315,6 +246,7 @@ def measure_hf_step(model: Any, setup: Any, *, seed: int = 0, trace: bool = Fals
     """Build, warm up (one step creates the optimizer state) and measure one ``hf_reference_step`` on the CPU."""
     with warnings.catch_warnings():       # transformers' and peft's own deprecation notices, not ours
         warnings.simplefilter("ignore", FutureWarning)
+        warnings.filterwarnings("ignore", "fan_in_fan_out is set to False", UserWarning)   # peft on GPT-2's Conv1D
         return _measure_hf_step(model, setup, seed, trace, memtracker)
 
 
@@ -360,16 +292,29 @@ def _tiny(**changes: Any) -> Any:
     return ModelConfig(**fields)
 
 
+def _tiny_gpt2(**changes: Any) -> Any:
+    """A tiny ``GPT2LMHeadModel``: GPT-2's own dropouts (0.1 each) and ``gelu_new`` unless changed."""
+    from .config import ModelConfig
+
+    fields = dict(num_layers=2, d_model=32, num_heads=4, ffn_width=48, vocab_size=64, max_seq_len=16,
+                  arch="hf-gpt2", tied_embeddings=True, dropout=(0.1, 0.1, 0.1), name="tiny GPT2LMHeadModel")
+    fields.update(changes)
+    return ModelConfig(**fields)
+
+
 def hf_validation_grid(check: bool = False) -> list[tuple[str, Any, Any]]:
-    """The configurations ``validate_hf`` measures: tiny transformers Llama-family models, micro-batch 2 x 16.
+    """The configurations ``validate_hf`` measures: tiny transformers Llama-family and GPT-2 models, micro-batch 2 x 16.
 
     Covered: sdpa and eager attention; grouped-query (2 kv heads of 4), multi-head and multi-query attention;
     tied embeddings; q/k/v biases (Qwen2's design, a real ``Qwen2ForCausalLM``); ``MistralForCausalLM`` with a
     sliding window longer and shorter than the sequence; fp32, bf16 autocast and pure bf16; peft LoRA (all linear
     layers, or q/v with dropout) with and without ``gradient_checkpointing_enable``; ``labels=`` and your own
     loss on the logits; a padded batch with its ``attention_mask``; a model without cache; micro-batch 1;
-    gradient accumulation; AdamW (for-loop and foreach), SGD with momentum and Adafactor. ``check=True`` gives
-    the subset the tests run (a few seconds).
+    gradient accumulation; AdamW (for-loop, foreach and fused), SGD with momentum and Adafactor; notebook 15's
+    summed loss over the count (``loss="shifted-sum"``). GPT-2 (``GPT2LMHeadModel``): its dropouts at 0.1
+    (sdpa's math kernel) and at 0 (the flash kernel), eager attention, untied head, ``gelu_new`` and
+    ``gelu_pytorch_tanh``, peft LoRA on its ``Conv1D`` layers, every precision, checkpointing and loss.
+    ``check=True`` gives the subset the tests run (a few seconds).
     """
     from .config import TrainingSetup
 
@@ -378,6 +323,10 @@ def hf_validation_grid(check: bool = False) -> list[tuple[str, Any, Any]]:
     gqa, mha, mqa_tied = _tiny(), _tiny(num_kv_heads=4, name="tiny, 4 kv heads"), \
         _tiny(num_kv_heads=1, tied_embeddings=True, name="tiny, 1 kv head, tied")
     eager, qwen = _tiny(attention="eager", name="tiny, eager"), _tiny(qkv_bias=True, name="tiny, q/k/v bias (Qwen2)")
+    gpt2, gpt2_plain = _tiny_gpt2(), _tiny_gpt2(dropout=(0.0, 0.0, 0.0), name="tiny GPT-2, no dropout")
+    gpt2_eager = _tiny_gpt2(attention="eager", name="tiny GPT-2, eager")
+    gpt2_untied = _tiny_gpt2(attention="eager", tied_embeddings=False, name="tiny GPT-2, eager, untied")
+    gpt2_tanh = _tiny_gpt2(activation="gelu_pytorch_tanh", use_cache=False, name="tiny GPT-2, gelu_pytorch_tanh")
 
     def s(**changes: Any) -> Any:
         return replace(base, **changes)
@@ -414,11 +363,27 @@ def hf_validation_grid(check: bool = False) -> list[tuple[str, Any, Any]]:
         ("eager bf16 padded checkpointing", eager, s(precision=bf, padded=True, checkpointing=ck)),
         ("mistral window 4096 fp32", _tiny(sliding_window=4096, name="tiny MistralForCausalLM"), s()),
         ("mistral window 8 < 16 tokens", _tiny(sliding_window=8, name="tiny Mistral, window 8"), s()),
+        ("sdpa gqa autocast own loss", gqa, s(precision=ac, loss="logits")),
+        ("notebook 15: padded shifted-sum fused", _tiny(use_cache=False, name="tiny, use_cache=False"),
+         s(padded=True, loss="shifted-sum", optimizer_impl="fused")),
+        ("shifted-sum autocast accumulation 2", gqa, s(loss="shifted-sum", precision=ac, accumulation_steps=2)),
+        ("shifted-sum bf16 checkpointing", gqa, s(loss="shifted-sum", precision=bf, checkpointing=ck)),
+        ("gpt2 sdpa dropout 0.1 fp32", gpt2, s()),
+        ("gpt2 sdpa dropout 0.1 autocast", gpt2, s(precision=ac)),
+        ("gpt2 sdpa dropout 0.1 bf16 padded", gpt2, s(precision=bf, padded=True)),
+        ("gpt2 sdpa no dropout autocast ckpt", gpt2_plain, s(precision=ac, checkpointing=ck)),
+        ("gpt2 eager dropout 0.1 padded", gpt2_eager, s(padded=True)),
+        ("gpt2 eager untied bf16 checkpointing", gpt2_untied, s(precision=bf, checkpointing=ck)),
+        ("gpt2 lora c_attn,c_fc checkpointing", gpt2, s(lora_rank=4, lora_targets=("c_attn", "c_fc"), checkpointing=ck)),
+        ("gpt2 lora all autocast dropout 0.1", gpt2, s(lora_rank=4, lora_dropout=0.1, precision=ac)),
+        ("gpt2 tanh gelu own loss batch 1", gpt2_tanh, s(micro_batch=1, loss="logits", optimizer="sgd_momentum")),
+        ("gpt2 shifted-sum accumulation 2", gpt2, s(loss="shifted-sum", accumulation_steps=2, padded=True,
+                                                    optimizer_impl="foreach")),
     ]
     if not check:
         return grid
-    subset = ("sdpa gqa fp32 adamw", "sdpa gqa padded autocast lora", "eager bf16 padded checkpointing",
-              "sdpa gqa lora checkpointing")
+    subset = ("sdpa gqa padded autocast lora", "eager bf16 padded checkpointing", "notebook 15: padded shifted-sum fused",
+              "gpt2 sdpa dropout 0.1 autocast", "gpt2 lora c_attn,c_fc checkpointing")
     return [row for row in grid if row[0] in subset]
 
 
