@@ -133,7 +133,8 @@ def test_gpt2_reads_its_dropouts_activation_and_peft_default():
     assert lora.setup.lora_targets == ("c_attn",)                        # peft's default for GPT-2
     assert lora.trainable_parameters == 12 * 8 * (768 + 3 * 768)         # A (8 x 768), B (2304 x 8) per block
     no_dropout = C.load_hf_config("gpt2", as_dict=True) | {"embd_pdrop": 0.0, "attn_pdrop": 0.0, "resid_pdrop": 0.0}
-    assert C.predict_hf(no_dropout, setup).total < C.predict_hf("gpt2", setup).total   # noise tensors, math sdpa
+    cpu = replace(setup, device="cpu")          # noise tensors; on the CPU sdpa's math kernel with attention dropout
+    assert C.predict_hf(no_dropout, cpu).largest["activations"] < C.predict_hf("gpt2", cpu).largest["activations"]
 
 
 def test_the_replay_equals_transformers_measured_by_memtracker_to_the_byte():

@@ -149,7 +149,6 @@ def test_layout_for_world_takes_the_rest_as_data_parallel():
 
 def test_command_line_entry_points():
     parser = _parser()
-    calc.add_arguments(parser)
     args = parser.parse_args(["--hf-config", "llama-2-70b", "--tp", "8", "--pp", "4", "--dp", "2", "--zero", "1",
                               "--micro-batches", "16", "--checkpointing", "every_block"])
     assert calc.wants_model_parallel(args)

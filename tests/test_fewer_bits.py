@@ -71,3 +71,37 @@ def test_training_state_bytes_refuses_unknown_methods_and_counts():
 def test_bitsandbytes_table_is_sorted_and_symmetric_at_the_ends():
     table = lowbit.NF4_BITSANDBYTES
     assert len(table) == 16 and list(table) == sorted(table) and table[0] == -1 and table[-1] == 1 and 0.0 in table
+
+
+def _to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Notebook 10's tensorwise cast: (x * scale) in e4m3 and the fp32 scale that put x's amax at 448."""
+    scale = torch.finfo(torch.float8_e4m3fn).max / x.abs().amax().float()
+    return (x.float() * scale).to(torch.float8_e4m3fn), scale
+
+
+def test_scaled_mm_takes_dequantising_scales_and_a_column_major_second_operand():
+    # notebook 10's conventions for torch._scaled_mm (its GPU timing relies on them): scale_a and scale_b are
+    # 1 / the quantising scale, as fp32 tensors, and the (N, K) weight is passed transposed (column-major)
+    torch.manual_seed(0)
+    x, w = torch.randn(32, 64, dtype=torch.bfloat16), torch.randn(48, 64, dtype=torch.bfloat16)
+    (x8, x_scale), (w8, w_scale) = _to_fp8(x), _to_fp8(w)
+    assert w8.T.stride() == (1, 64)                                   # column-major (K, N)
+    native = torch._scaled_mm(x8, w8.T, scale_a=x_scale.reciprocal(), scale_b=w_scale.reciprocal(),
+                              out_dtype=torch.bfloat16)
+    emulated = (x8.float() / x_scale) @ (w8.float() / w_scale).T
+    assert native.shape == (32, 48) and native.dtype == torch.bfloat16
+    assert ((native.float() - emulated).norm() / emulated.norm()).item() < 2 ** -8   # bf16 output rounding
+
+
+def test_round_to_nearest_keeps_exactly_the_weights_whose_first_update_was_lost():
+    # notebook 10, section 4: same-sign updates in bf16 either never move a weight or move it every so often
+    torch.manual_seed(0)
+    weights = (torch.randn(20000) * 0.05).to(torch.bfloat16)
+    signs = torch.randint(0, 2, weights.shape) * 2.0 - 1
+    step = 1e-4
+    lost = (weights.float() + step * signs).to(torch.bfloat16) == weights
+    current = weights.clone()
+    for _ in range(32):
+        current = (current.float() + step * signs).to(torch.bfloat16)
+    assert 0 < lost.float().mean() < 1
+    assert torch.equal(current == weights, lost)

@@ -34,8 +34,11 @@ the shapes; the peak is the replay's highest point). The package's files are its
 * ``hf.py``: the reader's own model: a transformers config (and peft's ``LoraConfig``) read in
   (``predict_hf``, ``load_hf_config``, the shipped ``configs/*.json``); ``hf_llama.py``: transformers'
   ``LlamaForCausalLM`` and the family that shares its block (Mistral, Qwen2), replayed as transformers 5
-  trains it; ``hf_gpt2.py``: GPT-2's parameters (its step is not replayed yet);
-* ``loss.py``, ``dataparallel.py``, ``optimizers.py``: the chunked loss, ZeRO/FSDP, torch.optim's state and
+  trains it; ``hf_gpt2.py``: ``GPT2LMHeadModel`` (Conv1D, learned positions, dropout, its activations),
+  replayed the same way;
+* ``loss.py``: transformers' losses (``labels=``, your own, notebook 15's summed shifted loss) and the
+  chunked loss; ``counter.py``: the storage counter the transformers grid measures with beside ``MemTracker``;
+* ``dataparallel.py``, ``optimizers.py``: ZeRO/FSDP, torch.optim's state and
   temporaries;  ``step.py``: one whole step; ``predict.py``: the public API; ``presets.py``;
 * ``lowbit.py``: fewer bits (notebook 10): an NF4 base under LoRA, peft's upcast, pure bf16 with stochastic
   rounding or Kahan, FP8 linears; what each replays and what it only models;

@@ -9,8 +9,9 @@ from ..checks import positive_int
 
 ARCHS = ("gpt", "llama")                       # the course's designs (utils.TinyTransformer, llama_like)
 HF_ARCHS = ("hf-llama", "hf-gpt2")             # transformers' own models, read from their config (hf.py)
+GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu")   # GPT-2's activation_function (None: gelu_new)
 ATTENTIONS = ("sdpa", "eager")                 # transformers' attn_implementation
-LOSSES = ("labels", "logits")                  # model(..., labels=) or F.cross_entropy on outputs.logits
+LOSSES = ("labels", "logits", "shifted-sum")   # model(..., labels=), F.cross_entropy on outputs.logits, notebook 15's
 PRECISIONS = ("fp32", "bf16-autocast", "bf16")
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw", "adafactor", "adamw8bit")
 OPTIMIZER_IMPLS = ("for-loop", "foreach", "fused")
@@ -64,7 +65,10 @@ class ModelConfig:
             of the q/k/v, output and MLP projections (Qwen2: q/k/v); ``attn_implementation``
             (``"sdpa"`` or ``"eager"``); Mistral's sliding window; ``config.use_cache`` (a model in
             training mode without checkpointing fills a ``DynamicCache`` with a copy of every layer's
-            keys and values during forward).
+            keys and values during forward); ``dropout``: ``"hf-gpt2"`` only, GPT-2's (``embd_pdrop``,
+            ``attn_pdrop``, ``resid_pdrop``) (each > 0 keeps a noise tensor per dropout in training, and
+            attention dropout moves sdpa to its math kernel on the CPU); ``activation``: ``"hf-gpt2"`` only,
+            its ``activation_function`` (None: ``"gelu_new"``, written out in eight elementwise ops).
 
     Raises:
         ValueError: non-positive sizes, heads that do not divide the width, key/value heads that do
@@ -92,19 +96,30 @@ class ModelConfig:
     attention: str = "sdpa"
     sliding_window: int | None = None
     use_cache: bool = True
+    dropout: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    activation: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "d_model", "num_heads", "vocab_size", "max_seq_len"):
             positive_int(name, getattr(self, name))
         _choice("arch", self.arch, ARCHS + HF_ARCHS)
         _choice("attention", self.attention, ATTENTIONS)
+        if (not isinstance(self.dropout, tuple) or len(self.dropout) != 3
+                or not all(isinstance(p, (int, float)) and 0 <= p < 1 for p in self.dropout)):
+            raise ValueError(f"dropout must be three probabilities in [0, 1) (GPT-2's embd_pdrop, attn_pdrop, "
+                             f"resid_pdrop), got {self.dropout!r}")
         hf_only = {"head_width": self.head_width is not None, "qkv_bias": self.qkv_bias, "out_bias": self.out_bias,
                    "mlp_bias": self.mlp_bias, "attention": self.attention != "sdpa",
-                   "sliding_window": self.sliding_window is not None}
+                   "sliding_window": self.sliding_window is not None, "dropout": any(self.dropout)}
         given = [name for name, set_ in hf_only.items() if set_]
         if self.arch in ARCHS and given:
             raise ValueError(f"{', '.join(given)}: transformers' designs only (arch 'hf-llama' or 'hf-gpt2', made by "
                              f"utils.calculator.model_config_from_hf); arch {self.arch!r} has none of them")
+        if self.activation is not None and (self.arch != "hf-gpt2" or self.activation not in GPT2_ACTIVATIONS):
+            raise ValueError(f"activation {self.activation!r}: expected None (the design's own) or, for arch 'hf-gpt2', "
+                             f"one of {GPT2_ACTIVATIONS}")
+        if any(self.dropout) and self.arch != "hf-gpt2":
+            raise ValueError("dropout is modelled for arch 'hf-gpt2' (GPT-2's embd_pdrop, attn_pdrop, resid_pdrop)")
         for name in ("head_width", "sliding_window"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
@@ -181,7 +196,10 @@ class TrainingSetup:
         padded: transformers' designs: the batch comes with an ``attention_mask`` that pads some
             sequences (the 4-D mask is then built and kept; without padding sdpa runs ``is_causal``).
         loss: transformers' designs: ``"labels"`` (``model(input_ids, labels=...).loss``, the model's
-            shifted loss) or ``"logits"`` (your own ``F.cross_entropy`` on ``outputs.logits.float()``).
+            shifted loss), ``"logits"`` (your own ``F.cross_entropy`` on ``outputs.logits.float()``) or
+            ``"shifted-sum"`` (notebook 15's ``train_step``: the targets counted first, then
+            ``F.cross_entropy(logits[:, :-1].flatten(0, -2), labels[:, 1:].flatten(), reduction="sum") / count``
+            and a running total of the loss).
         chunked_loss: 0 computes ``F.cross_entropy`` on the whole logits; c > 0 uses
             ``utils.chunked_cross_entropy`` with c tokens per chunk (notebook 08).
         accumulation_steps: micro-batches per optimizer step (notebook 02).

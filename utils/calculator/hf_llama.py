@@ -382,30 +382,14 @@ class _HfLlama:
         self.rel(position_ids, inputs_embeds, mask, cos, sin)   # LlamaModel.forward returns: its locals go
         w = self.p("model.embed_tokens.weight" if model.tied_embeddings else "lm_head.weight")
         logits = self.linear(final, w, None, model.vocab_size, "logits")
-        loss = self.hf_loss(logits)
-        # the forward returns; then the output objects die: the model's (its last hidden state and cache) and the
-        # causal LM's (its logits)
-        self.rel(final, *(cache or []), logits)
+        # the forward returns; the output objects die (the model's: its last hidden state and cache; the causal LM's:
+        # its logits) where the loss says
+        loss = self.hf_loss(logits, [final, *(cache or [])])
         self.set_phase(f"m{micro}.exit")
         if self.autocast:
             self.autocast_exit()
-        self.backward_loss(micro, loss, divide=setup.accumulation_steps > 1)
+        self.hf_backward(micro, loss)
         if embeds_leaf is not None:                          # the graph is gone: so are the leaf and its .grad
             if embeds_leaf.grad is not None:
                 self.decref(embeds_leaf.grad)
             embeds_leaf.grad = None
-
-    def hf_loss(self, logits: _T) -> _T:
-        """``ForCausalLMLoss`` (``labels=``) or ``F.cross_entropy(logits.flatten(0, 1).float(), targets)``."""
-        n_tok, b = self.setup.tokens, self.setup.micro_batch
-        upcast = self.to_float(logits, "logits.float()")
-        if self.setup.loss == "labels":
-            padded = self.new(b * (self.setup.seq_len + 1), 8, "loss", "F.pad(labels, (0, 1))")
-            # labels[..., 1:].contiguous(): a copy, unless one sequence makes the slice contiguous already
-            shifted = self.new(n_tok, 8, "loss", "shift_labels (contiguous)") if b > 1 else self.view(padded, n_tok)
-            loss = self.cross_entropy(upcast, n_tok, target=shifted)
-            self.rel(padded, shifted)
-        else:
-            loss = self.cross_entropy(upcast, n_tok)
-        self.rel(upcast)
-        return loss

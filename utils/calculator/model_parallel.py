@@ -36,32 +36,23 @@ every weight until its backward (the single-GPU calculator's ``weight_copies``),
 
 from __future__ import annotations
 
-import argparse
 import functools
-import itertools
 import math
-import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Sequence
 
 from ..checks import positive_int
 from ..footprint import predict_optimizer_state_bytes
-from .config import ModelConfig, TrainingSetup
-from .dataparallel import _DataParallel, _shard_numel
+from .config import TrainingSetup
+from .dataparallel import _shard_numel
 from .optimizers import ADAMW8BIT_CODEBOOKS
-from .shapes import parameter_shapes
 
 SCHEDULES = ("gpipe", "1f1b")
 ZERO_STAGES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}     # the data-parallel strategies of TrainingSetup
 ZERO_LABELS = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "loss", "weight_copies", "comm_buffers",
               "inputs")
-DESIGNS = ("gpt", "llama")            # per-layer activations: LayerNorm + GELU MLP, or RMSNorm + SwiGLU + GQA
 
-# which dimension tensor parallelism splits, by the end of a parameter's name (the Megatron layout)
-_COLUMN = ("qkv", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "mlp.0", "c_attn", "c_fc")
-_ROW = ("proj", "o_proj", "down_proj", "mlp.2", "c_proj")
-_VOCAB = ("token_embedding", "embed_tokens", "wte", "head", "lm_head")
 
 
 # --- the layout ------------------------------------------------------------------------------------------------
@@ -149,142 +140,8 @@ def layout_for_world(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, 
     return ParallelLayout(tp=tp, pp=pp, cp=cp, dp=world_size // model_parallel, zero=zero, **options)
 
 
-# --- the model ---------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ParallelTensor:
-    """One parameter tensor: its shape, the dimension tensor parallelism splits (None: whole on every rank), and
-    where it lives: a layer index, or ``"first"`` / ``"last"`` (before or after the layers: the pipeline's ends)."""
-
-    name: str
-    shape: tuple[int, ...]
-    tp_dim: int | None
-    place: int | str
-
-
-@dataclass(frozen=True)
-class ParallelModel:
-    """A model as this module sees it: parameter tensors and one layer's activation shape.
-
-    Attributes:
-        name: for tables.
-        tensors: every parameter (``ParallelTensor``), in ``model.parameters()`` order.
-        layers: transformer blocks.
-        width, heads, kv_heads, ffn, vocab: the activation shape (``vocab`` 0: no output head; the model
-            ends in a regression loss on its last hidden state, as notebook 13's stack does).
-        design: ``"gpt"`` (LayerNorm, GELU MLP ``ffn`` wide; also notebook 13's ``Block``) or ``"llama"``
-            (RMSNorm, SwiGLU, grouped-query attention).
-        embedded: the first layer's input comes from an embedding (an activation); False: it is the batch.
-    """
-
-    name: str
-    tensors: tuple[ParallelTensor, ...]
-    layers: int
-    width: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    design: str = "gpt"
-    embedded: bool = True
-
-    @classmethod
-    def from_config(cls, model: ModelConfig) -> "ParallelModel":
-        """A calculator ``ModelConfig`` (designs ``"gpt"``, ``"llama"``, ``"hf-llama"``) with the Megatron layout."""
-        if not isinstance(model, ModelConfig):
-            raise TypeError(f"expected a utils.calculator.ModelConfig, got {type(model).__name__}")
-        if model.arch == "hf-gpt2":
-            raise ValueError("GPT-2's Conv1D weights are stored transposed and its step is not replayed: expected a "
-                             "design 'gpt', 'llama' or 'hf-llama'")
-        if model.head_dim * model.num_heads != model.d_model:
-            raise ValueError(f"a head width of {model.head_dim} x {model.num_heads} heads != d_model {model.d_model}: "
-                             "expected heads that tile the width")
-        shapes = [(name, tuple(shape)) for name, shape, _ in parameter_shapes(model)]
-        tensors = tuple(ParallelTensor(name, shape, _tp_dim_by_name(name, shape), place)
-                        for (name, shape), place in zip(shapes, _places([name for name, _ in shapes])))
-        return cls(name=model.name, tensors=tensors, layers=model.num_layers, width=model.d_model,
-                   heads=model.num_heads, kv_heads=model.kv_heads, ffn=model.ffn, vocab=model.vocab_size,
-                   design="gpt" if model.arch == "gpt" else "llama")
-
-    @classmethod
-    def from_hf(cls, config: Any) -> "ParallelModel":
-        """A transformers config (a ``PretrainedConfig``, a dict, a config.json path or a shipped name)."""
-        from .hf import model_config_from_hf
-        return cls.from_config(model_config_from_hf(config))
-
-    @classmethod
-    def from_module(cls, module: Any, plan: Mapping[str, Any], *, heads: int, name: str = "module",
-                    design: str = "gpt") -> "ParallelModel":
-        """An ``nn.Module`` whose blocks ``plan`` (one block's ``parallelize_module`` plan) splits.
-
-        Parameters inside ``layers.<i>.`` (or ``blocks.<i>.``, ``h.<i>.``: ``dataparallel``'s FSDP units) are layer
-        ``i``, the plan's names relative to the block; a module with no such list is one layer, the plan's names
-        relative to the module. ``ColwiseParallel`` splits a weight's dim 0 (and its bias), ``RowwiseParallel``
-        its dim 1 (the bias stays whole); everything else is whole on every rank. The first layer's input is the
-        batch (no embedding) and ``vocab`` is 0.
-        """
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-        named = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
-        units = [_DataParallel.unit_of(None, n) for n, _ in named]
-        stacked = any(unit >= 0 for unit in units)
-        tensors = []
-        for (full, shape), place in zip(named, _places([n for n, _ in named]) if stacked else [0] * len(named)):
-            local = _inside_block(full) if stacked and isinstance(place, int) else full
-            owner, _, kind = local.rpartition(".")
-            style = plan.get(owner)
-            tp_dim = None
-            if isinstance(style, ColwiseParallel):
-                tp_dim = 0
-            elif isinstance(style, RowwiseParallel) and kind == "weight":
-                tp_dim = 1
-            tensors.append(ParallelTensor(full, shape, tp_dim, place))
-        layers = max(u for u in units) + 1 if stacked else 1
-        width = next(shape[0] for n, shape in named if n.endswith("norm.weight"))
-        matrices = [shape for t, (_, shape) in zip(tensors, named) if t.tp_dim == 0 and len(shape) == 2]
-        ffn = max(shape[0] for shape in matrices)
-        return cls(name=name, tensors=tuple(tensors), layers=layers, width=width, heads=heads, kv_heads=heads,
-                   ffn=ffn, vocab=0, design=design, embedded=False)
-
-
-def _inside_block(name: str) -> str:
-    """``model.layers.3.attention.q.weight`` -> ``attention.q.weight``: the name inside its block."""
-    parts = name.split(".")
-    for i, (part, index) in enumerate(zip(parts, parts[1:])):
-        if part in ("blocks", "layers", "h") and index.isdigit():
-            return ".".join(parts[i + 2:])
-    return name
-
-
-def _tp_dim_by_name(name: str, shape: tuple[int, ...]) -> int | None:
-    parts = name.split(".")
-    owner, kind = ".".join(parts[:-1]), parts[-1]
-    if any(owner == c or owner.endswith("." + c) for c in _COLUMN):
-        return 0
-    if any(owner == r or owner.endswith("." + r) for r in _ROW):
-        return 1 if kind == "weight" else None
-    if any(owner == v or owner.endswith("." + v) for v in _VOCAB):
-        return 0
-    return None
-
-
-def _places(names: Sequence[str]) -> list[int | str]:
-    """Each parameter's layer (``dataparallel``'s FSDP unit), or the pipeline end it sits at."""
-    units = [_DataParallel.unit_of(None, name) for name in names]
-    first = next((i for i, unit in enumerate(units) if unit >= 0), len(units))
-    return [unit if unit >= 0 else ("first" if i < first else "last") for i, unit in enumerate(units)]
-
-
-def as_parallel_model(model: Any) -> ParallelModel:
-    """A ``ParallelModel`` from what the reader has: itself, a ``ModelConfig``, or a transformers config."""
-    if isinstance(model, ParallelModel):
-        return model
-    if isinstance(model, ModelConfig):
-        return ParallelModel.from_config(model)
-    if isinstance(model, (str, os.PathLike, dict)) or hasattr(model, "to_dict"):
-        return ParallelModel.from_hf(model)
-    raise TypeError(f"expected a ParallelModel, a utils.calculator.ModelConfig or a transformers config, got "
-                    f"{type(model).__name__}")
-
+from .parallel_model import ParallelModel, ParallelTensor, as_parallel_model  # noqa: E402,F401  (re-exported)
+from .parallel_model import DESIGNS, _COLUMN, _ROW, _VOCAB, _inside_block, _places, _tp_dim_by_name  # noqa: E402,F401,E501  (re-exported)
 
 # --- checks ------------------------------------------------------------------------------------------------------
 
@@ -575,120 +432,5 @@ def predict_parallel(model: Any, setup: TrainingSetup, layout: ParallelLayout) -
     return ParallelBreakdown(model=model, setup=setup, layout=layout, stages=tuple(stages), details=details)
 
 
-# --- searching and printing ----------------------------------------------------------------------------------------
-
-def candidate_layouts(max_gpus: int = 4096, tp_degrees: Sequence[int] = (1, 2, 4, 8),
-                      pp_degrees: Sequence[int] = (1, 2, 4, 8, 16), cp_degrees: Sequence[int] = (1, 2, 4),
-                      zero_stages: Sequence[int] = (0, 1, 3), **options: Any) -> list[ParallelLayout]:
-    """Every layout with power-of-two data-parallel degrees up to ``max_gpus`` GPUs (tp within one 8-GPU node)."""
-    layouts = []
-    for tp, pp, cp, zero in itertools.product(tp_degrees, pp_degrees, cp_degrees, zero_stages):
-        dp = 1
-        while dp * tp * pp * cp <= max_gpus:
-            if zero == 0 or dp > 1:
-                layouts.append(ParallelLayout(tp=tp, pp=pp, cp=cp, dp=dp, zero=zero, **options))
-            dp *= 2
-    return layouts
-
-
-def smallest_fitting_layout(model: Any, setup: TrainingSetup, device_bytes: float, *,
-                            layouts: Iterable[ParallelLayout] | None = None) -> ParallelBreakdown | None:
-    """The layout with the fewest GPUs whose busiest GPU fits ``device_bytes`` (ties: the least memory per GPU).
-
-    Layouts the model or the sequence cannot be split into are skipped; None when nothing fits.
-    """
-    model = as_parallel_model(model)
-    by_gpus: dict[int, list[ParallelLayout]] = {}
-    for layout in layouts if layouts is not None else candidate_layouts():
-        by_gpus.setdefault(layout.gpus, []).append(layout)
-    for gpus in sorted(by_gpus):                 # the fewest GPUs first: stop at the first count where one fits
-        fitting = []
-        for layout in by_gpus[gpus]:
-            try:
-                breakdown = predict_parallel(model, setup, layout)
-            except ValueError:
-                continue
-            if breakdown.fits(device_bytes):
-                fitting.append(breakdown)
-        if fitting:
-            return min(fitting, key=lambda breakdown: breakdown.total)
-    return None
-
-
-TERM_LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
-               "activations": "activations (in flight)", "loss": "loss and logits", "weight_copies": "bf16 weight copies",
-               "comm_buffers": "gathered layers / buckets", "inputs": "batch"}
-
-
-def format_parallel(breakdown: ParallelBreakdown, device_bytes: float | None = None) -> str:
-    """A table: each stage's GPU by category, in GB (10^9 bytes), and the fit verdict."""
-    layout, setup = breakdown.layout, breakdown.setup
-    lines = [f"{breakdown.model.name}: {layout.label()} = {layout.gpus} GPUs; {layout.schedule} with {layout.m} "
-             f"micro-batches of {setup.micro_batch} x {setup.seq_len} tokens; {setup.precision}, {setup.optimizer}, "
-             f"checkpointing {setup.checkpointing}"
-             + (f"; sequence parallel" if layout.tp > 1 and layout.sequence_parallel else ""),
-             f"{'stage':<28}" + "".join(f"{stage.stage:>10}" for stage in breakdown.stages)]
-    for key, label in TERM_LABELS.items():
-        lines.append(f"{label:<28}" + "".join(f"{stage.terms[key] / 1e9:>10.2f}" for stage in breakdown.stages))
-    lines.append(f"{'total (GB per GPU)':<28}" + "".join(f"{stage.total / 1e9:>10.2f}" for stage in breakdown.stages))
-    lines.append(f"{'micro-batches in flight':<28}" + "".join(f"{stage.in_flight:>10}" for stage in breakdown.stages))
-    busiest = breakdown.busiest
-    verdict = f"busiest GPU: stage {busiest.stage}, {busiest.total / 1e9:.2f} GB"
-    if device_bytes:
-        verdict += f" of {device_bytes / 1e9:.0f} GB: {'fits' if breakdown.fits(device_bytes) else 'does not fit'}"
-    lines.append(verdict + f"; pipeline bubble {breakdown.details['bubble']:.1%}")
-    return "\n".join(lines)
-
-
-# --- the command line (wired into python -m utils.calculator) -------------------------------------------------
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--tp --pp --cp --dp --zero --schedule --micro-batches --no-sequence-parallel`` to the calculator's parser."""
-    group = parser.add_argument_group("model parallelism (any of these switches to the per-stage prediction)")
-    group.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
-    group.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
-    group.add_argument("--cp", type=int, default=1, help="context-parallel degree (default 1)")
-    group.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
-    group.add_argument("--zero", type=int, choices=sorted(ZERO_STAGES), default=0,
-                       help="with --dp: 0 DDP, 1 ZeRO-1, 2 ZeRO-2, 3 FSDP (default 0)")
-    group.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
-    group.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default: --pp)")
-    group.add_argument("--no-sequence-parallel", action="store_true",
-                       help="with --tp: keep the norms and residual stream whole on every rank")
-
-
-def wants_model_parallel(args: argparse.Namespace) -> bool:
-    """Whether the command line asked for any model-parallel flag (``cli.main`` then calls ``run``)."""
-    return (args.tp, args.pp, args.cp, args.dp, args.zero, args.schedule, args.micro_batches,
-            args.no_sequence_parallel) != (1, 1, 1, 1, 0, "1f1b", None, False)
-
-
-def run(args: argparse.Namespace) -> str:
-    """The report of ``python -m utils.calculator ... --tp/--pp/--cp/--dp``: the per-stage table and the verdict.
-
-    Uses the calculator's own flags for the model (``--hf-config``, ``--preset`` or a shape) and the training
-    set-up (``--micro-batch``, ``--seq-len``, ``--precision``, ``--optimizer``, ``--impl``, ``--checkpointing``,
-    ``--device``, ``--device-gb``); data parallelism is ``--dp`` and ``--zero``, not ``--strategy``/``--ranks``.
-
-    Raises:
-        ValueError: a layout or set-up this module refuses (``cli.main`` turns it into a usage error).
-    """
-    from .cli import _model_from_args
-    if getattr(args, "strategy", "single") != "single" or getattr(args, "ranks", 1) != 1:
-        raise ValueError("with --tp/--pp/--cp/--dp, data parallelism is --dp and --zero: expected no --strategy or "
-                         "--ranks")
-
-    class _Refuse:
-        @staticmethod
-        def error(message: str) -> None:
-            raise ValueError(message)
-
-    model = _model_from_args(args, _Refuse())
-    impl = getattr(args, "impl", None) or ("for-loop" if args.optimizer == "adamw8bit" else "foreach")
-    setup = TrainingSetup(micro_batch=args.micro_batch, seq_len=args.seq_len, precision=args.precision,
-                          optimizer=args.optimizer, optimizer_impl=impl, checkpointing=args.checkpointing,
-                          device=args.device)
-    layout = ParallelLayout(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, zero=args.zero, schedule=args.schedule,
-                            micro_batches=args.micro_batches, sequence_parallel=not args.no_sequence_parallel)
-    device_bytes = args.device_gb * 1e9 if getattr(args, "device_gb", 0) else None
-    return format_parallel(predict_parallel(model, setup, layout), device_bytes)
+from .model_parallel_cli import add_arguments, candidate_layouts, format_parallel, run, smallest_fitting_layout  # noqa: E402,F401,E501
+from .model_parallel_cli import wants_model_parallel  # noqa: E402,F401

@@ -131,9 +131,6 @@ def _check_design(model: ModelConfig, setup: TrainingSetup) -> None:
         from .hf_gpt2 import gpt2_lora_targets
 
         gpt2_lora_targets(model, setup)
-        raise ValueError("GPT-2's training step is not replayed yet (its dropouts, Conv1D and gelu_new): "
-                         "count_parameters(model_config_from_hf(config)) gives its parameters; for the step, "
-                         "expected a Llama-family config (model_type llama, mistral or qwen2)")
 
 
 def _replay(model: ModelConfig, setup: TrainingSetup, trace: bool = False) -> _Step:

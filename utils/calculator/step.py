@@ -7,16 +7,17 @@ from typing import Callable
 from .config import ModelConfig, TrainingSetup
 from .dataparallel import _DataParallel
 from .gpt import _GptBlock
+from .hf_gpt2 import _HfGpt2
 from .hf_llama import _HfLlama, hf_leaf_item
 from .llama import _LlamaBlock
-from .loss import _ChunkedLoss
+from .loss import _ChunkedLoss, _HfLoss
 from .ops import _Ops
 from .optimizers import _optimizer_state_per_rank, _optimizer_temporaries, _shard_leaves
 from .replay import _Buf, _Leaf, _Region, _Replay, _T
 from .shapes import _linears, _lora_on, parameter_shapes
 
 
-class _Step(_GptBlock, _LlamaBlock, _HfLlama, _ChunkedLoss, _DataParallel, _Ops):
+class _Step(_GptBlock, _LlamaBlock, _HfLlama, _HfGpt2, _HfLoss, _ChunkedLoss, _DataParallel, _Ops):
     """One step of ``reference_step`` for a model and set-up, replayed op by op."""
 
     def __init__(self, model: ModelConfig, setup: TrainingSetup, trace: bool = False) -> None:
@@ -127,6 +128,8 @@ class _Step(_GptBlock, _LlamaBlock, _HfLlama, _ChunkedLoss, _DataParallel, _Ops)
         batch = self._alloc(arrays * 8 * setup.tokens * setup.accumulation_steps, "inputs", "token ids and targets")
         self.incref(batch)
         self.baseline = self.current
+        if model.is_hf:
+            self.hf_step_begin()
         # micro-batches after the second repeat it exactly (same state, same gradients alive): replay two
         for micro in range(min(setup.accumulation_steps, 2)):
             self.micro = micro
