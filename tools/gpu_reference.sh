@@ -387,7 +387,7 @@ setup_checks() {
         local began rc took last verdict
         began=$(date +%s)
         # shellcheck disable=SC2086
-        timeout --kill-after=10 "$TESTS_TIMEOUT_S" "$PY" -m pytest -q -p no:cacheprovider $PYTEST_ARGS \
+        timeout --kill-after=10 "$TESTS_TIMEOUT_S" "$PY" -m pytest -q -p no:cacheprovider -p no:nbval $PYTEST_ARGS \
             > "$BUILD/tests.log" 2>&1
         rc=$?
         took=$(( $(date +%s) - began ))
