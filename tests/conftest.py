@@ -22,6 +22,20 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # quiets the kernel's debugger warning
 
 
+# --- torch's threads in pytest-xdist's workers ---------------------------------------------------------------
+# Each worker is one process on a share of the cores; left at torch's default (a thread per core), N workers run N
+# times the threads there are cores for, and OpenMP's spinning threads burn CPU time waiting for each other (the
+# recipe and calculator tests took 1.3 to 2 times their CPU time under `pytest -n 2` on 2 cores). The notebooks'
+# kernels are capped the same way (tools/nbtools.notebook_environment); only the workers' own torch is set here,
+# not the environment their subprocesses inherit.
+def pytest_configure(config):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+
+
 # --- the order pytest-xdist's workers take the tests in -------------------------------------------------------
 # `make check` runs `pytest -n N --dist worksteal`: each worker starts with one contiguous share of the collected
 # tests (the first len // N, then the next, ...), and a worker that runs out takes the second half of the longest

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -55,12 +57,18 @@ def test_build_dir_override(monkeypatch, tmp_path):
 
 
 def test_import_has_no_side_effects():
+    """Importing utils (and its calculator) draws no random number, and neither it nor a prediction from a shipped
+    transformers config imports transformers or peft (one fresh Python for both: each costs a torch import)."""
     import subprocess
     import sys
 
-    code = ("import torch; torch.manual_seed(123); a = torch.rand(1); torch.manual_seed(123); "
-            "import utils; b = torch.rand(1); assert torch.equal(a, b)")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    code = ("import sys, torch; torch.manual_seed(123); a = torch.rand(1); torch.manual_seed(123); "
+            "import utils, utils.calculator as c; b = torch.rand(1); assert torch.equal(a, b); "
+            "c.predict_hf('llama-2-7b', seq_len=64); print('transformers' in sys.modules, 'peft' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False"], "utils, or a prediction from a config, imported transformers/peft"
 
 
 # --- GPU sizes and formats, on a faked torch.cuda (the bookkeeping, not a real card's numbers) ----------------

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import tarfile
 
-from tests.test_gpu_reference import _run, pytestmark  # noqa: F401  (the same Linux-only mark)
+from tests.test_gpu_reference import _run, described, pytestmark  # noqa: F401  (the same Linux-only mark)
 
 
 def test_check_mode_runs_several_at_a_time_and_gathers_their_copies(tmp_path):
-    done = _run(tmp_path, "--dry-run", "00:check", "01:check", "03:check", GPU_REFERENCE_CHECK_JOBS="3")
+    # the machine's description and the calculator's run (torch imports both) are test_gpu_reference.py's dry run's
+    done = _run(tmp_path, "--dry-run", "00:check", "01:check", "03:check", GPU_REFERENCE_CHECK_JOBS="3",
+                GPU_REFERENCE_CALCULATOR_ARGS="", **described(tmp_path))
     assert done.returncode == 4, done.stdout + done.stderr          # 03 crashed: the runner's own failure
     status = json.loads((tmp_path / "build" / "status.json").read_text())
     by_notebook = {row["notebook"][:2]: row["status"] for row in status["notebooks"]}

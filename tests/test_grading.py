@@ -9,14 +9,15 @@ marks; the untouched release copy earns zero.
 The three steps run through ``nbgrader.apps.NbGraderAPI`` (the API behind nbgrader's formgrader, which runs the
 same converter applications as the ``nbgrader`` command) in this process: three ``nbgrader`` commands would each
 start a Python and import nbgrader's stack again (about 3 s of CPU each on 2 cores), for nothing the test checks.
-The notebooks still execute in kernels of their own, started by nbgrader, in the course folder's submission.
+For the same reason the gradebook's schema version, which nbgrader reads by running the ``alembic heads`` program
+(a Python that imports nbgrader again: about 3 s of CPU), is read in this process from the same migration scripts
+with alembic's own ``ScriptDirectory``. The notebooks still execute in kernels of their own, started by nbgrader,
+in the course folder's submission.
 """
 from __future__ import annotations
 
 import csv
-import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,15 +33,17 @@ ROUND_TRIP_NOTEBOOK = "02_gradient_accumulation"
 # nbgrader's own gradebook code, on every autograde (the command prints it to its stderr, which nobody reads)
 @pytest.mark.filterwarnings("ignore:Object of type <Submitted[A-Za-z]*> not in session:Warning")
 def test_nbgrader_round_trip_gives_solutions_full_marks_and_the_release_zero(tmp_path, monkeypatch):
+    from alembic.script import ScriptDirectory
     from nbgrader.api import Gradebook
+    from nbgrader.dbutil import ALEMBIC_DIR
     from nbgrader.plugins import CsvExportPlugin
 
-    # the kernels nbgrader starts inherit these: check mode, one thread, no GPU; nbgrader creates its gradebook by
-    # running the `alembic` program of the same environment
+    # the kernels nbgrader starts inherit these: check mode, one thread, no GPU
     for name, value in {"PYTORCH_INTRO_CHECK_MODE": "1", "PYTORCH_INTRO_BUILD_DIR": str(tmp_path / "build"),
-                        "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-                        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}.items():
+                        "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}.items():
         monkeypatch.setenv(name, value)
+    # what `alembic heads` prints first, which a new gradebook records (nbgrader.api.get_alembic_version): no program
+    monkeypatch.setattr("nbgrader.api.get_alembic_version", ScriptDirectory(ALEMBIC_DIR).get_current_head)
     notebook = ROOT / "notebooks" / f"{ROUND_TRIP_NOTEBOOK}.ipynb"
     course = tmp_path / "course_root"
     (course / "source" / "ps").mkdir(parents=True)

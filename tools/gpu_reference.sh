@@ -35,7 +35,8 @@
 # GPU_REFERENCE_WHEELS (default .whl/), GPU_REFERENCE_RESULTS (the results/ folder filed onto and unpacked into),
 # GPU_REFERENCE_RUNS (where --unpack puts whole runs, default build/gpu-reference-runs), GPU_REFERENCE_PART_MIB
 # (size of executed.tar.gz's parts, 15), and, for tests only, GPU_REFERENCE_RUNNER (a command run as
-# `RUNNER STEM` instead of tools/run_notebooks.py STEM).
+# `RUNNER STEM` instead of tools/run_notebooks.py STEM) and GPU_REFERENCE_ENVIRONMENT (a JSON file taken as the
+# machine's description, environment.json, instead of describing it with torch: a stubbed run imports no torch).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -243,7 +244,10 @@ fi
 
 # the environment: GPU, driver, CUDA, torch (nvidia-smi's own report goes into the pack too)
 nvidia-smi > "$BUILD/nvidia-smi.txt" 2>&1 || echo "no nvidia-smi here" > "$BUILD/nvidia-smi.txt"
-"$PY" - "$BUILD/environment.json" "$DRY_RUN" > "$BUILD/logs/environment.log" 2>&1 <<'PY'
+if [ -n "${GPU_REFERENCE_ENVIRONMENT:-}" ]; then   # tests only: a described machine, without importing torch
+    cp "$GPU_REFERENCE_ENVIRONMENT" "$BUILD/environment.json" > "$BUILD/logs/environment.log" 2>&1
+else
+    "$PY" - "$BUILD/environment.json" "$DRY_RUN" > "$BUILD/logs/environment.log" 2>&1 <<'PY'
 import json, platform, subprocess, sys
 import torch
 from tools.devices import describe_device
@@ -267,6 +271,7 @@ with open(path, "w") as f:
     json.dump(environment, f, indent=2)
 print(environment["name"])
 PY
+fi
 [ -f "$BUILD/environment.json" ] || {
     cat "$BUILD/logs/environment.log" >&2; echo "describing the machine failed" >&2; exit 2; }
 SLUG=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['slug'])" "$BUILD/environment.json") || exit 2
