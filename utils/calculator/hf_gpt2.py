@@ -116,25 +116,7 @@ class _HfGpt2:
         self.rel(*casts)
         if not lora:
             return result
-        a = self.p(prefix + path + ".lora_A.default.weight")
-        b_up = self.p(prefix + path + ".lora_B.default.weight")
-        cast = self.to_float(x, f"{prefix}{path} input .to(float32)", "activations", a.item)   # _cast_input_dtype
-        dropped = self.dropout(cast, f"{prefix}{path} lora_dropout") if self.setup.lora_dropout else self.view(cast)
-        low = self.linear(dropped, a, None, self.setup.lora_rank, prefix + path + ".lora_A")
-        self.rel(dropped)
-        up = self.linear(low, b_up, None, fan_out, prefix + path + ".lora_B")
-        self.rel(low)
-        scaled = self.mul_scalar(up, prefix + path + " * scaling")
-        self.rel(up)
-        total = self.add(result, scaled, prefix + path + " lora sum")
-        result_item = result.item
-        self.rel(result, scaled)
-        if total.item != result_item:                               # result.to(torch_result_dtype)
-            back = self.to_float(total, f"{prefix}{path} .to(dtype)", "activations", result_item)
-            self.rel(total)
-            total = back
-        self.rel(cast)
-        return total
+        return self.peft_lora_add(x, result, prefix, path, fan_out)
 
     def gpt2_targets(self) -> set[str]:
         if not hasattr(self, "_gpt2_targets"):

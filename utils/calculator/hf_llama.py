@@ -150,6 +150,11 @@ class _HfLlama:
         result = self.linear(x, w, b, fan_out, prefix + path)
         if not lora:
             return result
+        return self.peft_lora_add(x, result, prefix, path, fan_out)
+
+    def peft_lora_add(self, x: _T, result: _T, prefix: str, path: str, fan_out: int) -> _T:
+        """peft's ``LoraLayer.forward`` after the base layer (a Linear here, GPT-2's Conv1D in ``hf_gpt2.py``): the
+        input cast to the adapters' dtype, dropout, ``lora_B(lora_A(x)) * scaling`` added, cast back."""
         a = self.p(prefix + path + ".lora_A.default.weight")
         b_up = self.p(prefix + path + ".lora_B.default.weight")
         cast = self.to_float(x, f"{prefix}{path} input .to(float32)", "activations", a.item)   # _cast_input_dtype
