@@ -349,8 +349,8 @@ def predict_12(p: dict) -> dict[str, int]:
             "a micro-batch's activations and their gradients": 2 * 4 * p["GLOBAL_BATCH"] * hidden * p["LAYERS"]}
 
 
-def predict_14(p: dict) -> dict[str, int]:
-    """14 checkpoint and resume: section 5's timed model (4 layers ``TIMED_HIDDEN`` wide with AdamW's state, 16 B per
+def predict_16(p: dict) -> dict[str, int]:
+    """16 checkpoint and resume: section 5's timed model (4 layers ``TIMED_HIDDEN`` wide with AdamW's state, 16 B per
     parameter), a CPU copy aside, and the resumed MLP with its state (``HIDDEN_FEATURES`` wide)."""
     timed = 4 * (p["TIMED_HIDDEN"] ** 2 + p["TIMED_HIDDEN"])
     resumed = (p["IN_FEATURES"] * p["HIDDEN_FEATURES"] + 2 * p["HIDDEN_FEATURES"] ** 2
@@ -360,8 +360,8 @@ def predict_14(p: dict) -> dict[str, int]:
             "the resumed MLP with AdamW": 16 * resumed}
 
 
-def predict_15(p: dict) -> dict[str, int]:
-    """15 capstone (its parameters cell: the budget plus about 0.5 GiB).
+def predict_17(p: dict) -> dict[str, int]:
+    """17 capstone (its parameters cell: the budget plus about 0.5 GiB).
 
     Every run is sized by a search under ``BUDGET_MIB`` (or the transformers Llama's ``LLAMA_BUDGET_MIB``), a per-process
     limit on the caching allocator's reserved bytes; outside the budget: the MFU's peak matmul (0.4 GiB).
@@ -410,8 +410,8 @@ PREDICTIONS: dict[str, Callable[[dict], dict[str, int]]] = {
     "10_fewer_bits_4bit_bf16_fp8": predict_10,
     "11_long_sequences_attention_memory": predict_11,
     "12_distributed_ddp_zero_fsdp": predict_12,
-    "14_checkpoint_and_resume": predict_14,
-    "15_capstone_fit_then_fast": predict_15,
+    "16_checkpoint_and_resume": predict_16,
+    "17_capstone_fit_then_fast": predict_17,
 }
 NOTEBOOKS = {path.stem: path for path in list_notebooks()}
 # notebooks that never allocate GPU memory, with the reason (their sizes cannot outgrow a card)

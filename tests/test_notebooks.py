@@ -42,13 +42,13 @@ CHECK_BUDGET_S = {"00_measuring_memory_and_time": 30, "01_parameter_footprint": 
                   # own cost), are fixed (~10 s)
                   "07_what_frees_memory": 25,
                   # subprocesses (a resumed run, killed writers, a SIGTERM) each import torch (~13 s)
-                  "14_checkpoint_and_resume": 30,
+                  "16_checkpoint_and_resume": 30,
                   # nine searches under a budget (each confirming its prediction in two tries), a ladder of
                   # small compiles (aot_eager in check mode on a CPU: a cold Inductor cache does not matter),
                   # a transformers Llama (import ~3 s) and its four searches, fifteen wrong answers (~19 s of CPU;
                   # exercise 2's graded cell freezes the objects alive before it, or each gc.collect() of the
                   # search it grades would scan the whole kernel: ~43 s before)
-                  "15_capstone_fit_then_fast": 40,
+                  "17_capstone_fit_then_fast": 40,
                   # process start dominates: each rank is a fresh Python that imports torch (~19 s)
                   "12_distributed_ddp_zero_fsdp": 40,
                   # one launch of 4 ranks forked from one fork server that imports torch and DTensor (which
@@ -104,7 +104,7 @@ def test_structure(path):
     assert "sys.path" not in "\n".join(_source(c) for c in code), "import utils without sys.path edits"
 
 
-# "notebook 03", "notebooks 00 (measuring), 03 (checkpointing) and 05", "Notebook 14's": a number after
+# "notebook 03", "notebooks 00 (measuring), 03 (checkpointing) and 05", "Notebook 16's": a number after
 # "notebook(s)", then more numbers joined by commas, "and", "or", dashes, each maybe with its own "(topic)"
 _REFERENCE = re.compile(r"\b[Nn]otebooks? ((?:\d\d(?![\d%]| %)(?:'s)?(?: \([^)]*\))?(?:, | and | or |–|-| to )?)+)")
 _NUMBER_WITH_TOPIC = re.compile(r"(\d\d)(?:'s)?(?: \(([^)]*)\))?")
@@ -179,8 +179,8 @@ def test_no_file_names_a_notebook_by_an_old_number():
 
 
 def test_reference_finder_reads_lists_and_topics():
-    found = notebook_references("see notebooks 00 (measuring), 03 (checkpointing) and 05; Notebook 14's save")
-    assert found == [("00", "measuring"), ("03", "checkpointing"), ("05", None), ("14", None)]
+    found = notebook_references("see notebooks 00 (measuring), 03 (checkpointing) and 05; Notebook 16's save")
+    assert found == [("00", "measuring"), ("03", "checkpointing"), ("05", None), ("16", None)]
     assert notebook_references("as in notebook 01, 30 % of each GPU") == [("01", None)]
 
 
@@ -359,7 +359,7 @@ EXPECTED_FIGURES = {
         "optimizer_in_backward_peak_ratio": lambda v, f: 0 < v < 1,
         "gradients_alive_at_update_max": lambda v, f: v == 1,
     },
-    "14_checkpoint_and_resume": {
+    "16_checkpoint_and_resume": {
         # the tensors are stored byte for byte; zip headers and the pickle add a few kilobytes
         "checkpoint_file_over_predicted": lambda v, f: v > 1,
         "checkpoint_overhead_bytes": lambda v, f: 0 < v < 64 * 1024,
@@ -380,7 +380,7 @@ EXPECTED_FIGURES = {
         "simulated_overhead_at_young": lambda v, f: 0 < v < 1,
         "spot_saving_fraction": lambda v, f: 0 < v < 0.9,
     },
-    "15_capstone_fit_then_fast": {
+    "17_capstone_fit_then_fast": {
         "recipe_gradient_relative_error": lambda v, f: 0 <= v < 0.02,      # 16-bit rounding, not a wrong step
         "calculator_minus_found_worst": lambda v, f: v <= 1,                 # the shapes alone, within one sequence
         "largest_batch_fp32": lambda v, f: v >= 1 and v == int(v),

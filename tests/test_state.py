@@ -1,5 +1,5 @@
 """Unit tests of utils.state (RNG capture, the save-interval arithmetic) and utils.resume_demo, which runs
-notebook 14's recipe, read from the notebook itself, in fresh namespaces."""
+notebook 16's recipe, read from the notebook itself, in fresh namespaces."""
 
 import json
 import os
@@ -15,7 +15,7 @@ import utils
 from utils.resume_demo import COMMANDS, Child, flat_weights, recipe_namespace
 from utils.state import _fsync_directory
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "14_checkpoint_and_resume.ipynb"
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "16_checkpoint_and_resume.ipynb"
 RECIPE_CELLS = ("788a7cff", "r1-loop-co", "r1-save-co", "r1-save-co2", "r1-restore-co", "948feed4")   # build, train, state, save, restore, SIGTERM
 SETTINGS = {"DEVICE": torch.device("cpu"), "ON_GPU": False, "AMP_DTYPE": torch.bfloat16, "SEED": 0, "DATA_SEED": 1,
             "IN_FEATURES": 8, "HIDDEN_FEATURES": 16, "NUM_CLASSES": 3, "NUM_SAMPLES": 64, "BATCH_SIZE": 16,
@@ -23,7 +23,7 @@ SETTINGS = {"DEVICE": torch.device("cpu"), "ON_GPU": False, "AMP_DTYPE": torch.b
 
 
 def _recipe() -> str:
-    """Notebook 14's recipe cells, as the notebook sends them to its children."""
+    """Notebook 16's recipe cells, as the notebook sends them to its children."""
     cells = {c["id"]: "".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"]}
     return "\n\n".join(cells[cell_id] for cell_id in RECIPE_CELLS)
 
@@ -126,6 +126,6 @@ def test_simulation_agrees_with_the_formula_and_is_seeded():
 
 
 def test_child_rejects_unknown_commands():
-    # the child processes themselves run in notebook 14 (a forkserver start is too slow for a unit test)
+    # the child processes themselves run in notebook 16 (a forkserver start is too slow for a unit test)
     with pytest.raises(ValueError, match="command must be one of"):
         Child("sleep")

@@ -33,17 +33,17 @@ MODES = ("check", "full")
 # H100 (torch 2.11, 2026-11-27) where a run finished: check mode four at a time (each slower than alone), full mode
 # alone. The rest come from each notebook's GPU sizes (tests/test_gpu_sizes.py) and the work they do: 03 sweeps 20
 # strategies of about seven fp32 steps each, 08 seven budgeted compiles, 09 two 300-step loss curves and its width
-# searches, 15 nine budgeted searches and a compiled speed ladder. A notebook new to the table gets
+# searches, 17 nine budgeted searches and a compiled speed ladder. A notebook new to the table gets
 # DEFAULT_ESTIMATE_S.
 ESTIMATE_S: dict[str, tuple[int, int]] = {
     "00": (25, 40), "01": (25, 45), "02": (25, 45), "03": (30, 210), "04": (30, 45), "05": (40, 110),
     "06": (45, 60), "07": (30, 35), "08": (35, 215), "09": (50, 290), "10": (40, 60), "11": (40, 70),
-    "12": (55, 70), "13": (45, 90), "14": (45, 90), "15": (60, 235),
+    "12": (55, 70), "13": (45, 90), "16": (45, 90), "17": (60, 235),
 }
 DEFAULT_ESTIMATE_S = (30, 120)
 # Full mode's order when a call cannot run them all: the figures the README and the prose promise on a GPU first
 # (bf16 and TF32 speed, compile, the capstone's ladder, checkpointing's cost, FP8 on an H100), then the rest.
-FULL_PRIORITY = ["04", "05", "15", "03", "10", "00", "01", "09", "08", "11", "06", "02", "07", "12", "13", "14"]
+FULL_PRIORITY = ["04", "05", "17", "03", "10", "00", "01", "09", "08", "11", "06", "02", "07", "12", "13", "16"]
 # a notebook's limit: its estimate times this, and at least this many seconds more than the estimate
 LIMIT_FACTOR, LIMIT_MIN_EXTRA_S = 1.5, 30
 

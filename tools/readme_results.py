@@ -41,12 +41,12 @@ COURSE_END = "<!-- END course -->"
 # Reading paths: the question a learner arrives with, and the notebooks that answer it, in the order to read
 # them. Numbers that have no notebook (yet) are left out of the path.
 START_HERE: list[tuple[str, list[str]]] = [
-    ("My run is out of memory", ["00", "01", "03", "04", "07", "08", "15"]),
-    ("My step is slow", ["00", "06", "04", "05", "15"]),
-    ("I am fine-tuning a large model", ["01", "03", "04", "09", "10", "15"]),
+    ("My run is out of memory", ["00", "01", "03", "04", "07", "08", "17"]),
+    ("My step is slow", ["00", "06", "04", "05", "17"]),
+    ("I am fine-tuning a large model", ["01", "03", "04", "09", "10", "17"]),
     ("My sequences are long", ["03", "11", "08"]),
     ("One GPU is not enough", ["01", "02", "12", "13"]),
-    ("My job gets preempted", ["14", "12"]),
+    ("My job gets preempted", ["16", "12"]),
 ]
 # Reading speeds behind the estimate: prose at 200 words a minute, code at 10 lines a minute (read, not run).
 PROSE_WORDS_PER_MINUTE = 200
@@ -54,9 +54,9 @@ CODE_LINES_PER_MINUTE = 10
 # The figures a learner came for, shown first (notebook, figure); each also keeps its place in the full table.
 LEAD_FIGURES: list[tuple[str, str, str]] = [
     ("03_activation_checkpointing", "every_block_memory_saving", "peak memory of a step saved by checkpointing every block"),
-    ("15_capstone_fit_then_fast", "largest_batch_gain",
+    ("17_capstone_fit_then_fast", "largest_batch_gain",
      "largest batch under one memory budget, autocast + checkpointing vs plain fp32"),
-    ("14_checkpoint_and_resume", "full_resume_max_weight_difference",
+    ("16_checkpoint_and_resume", "full_resume_max_weight_difference",
      "weights after a resume vs an uninterrupted run (0 = bit-identical)"),
     ("04_mixed_precision", "bf16_over_fp32_forward_memory", "activation memory, bf16 autocast vs fp32"),
     ("08_memory_budget_offloading_chunked_loss", "chunked_peak_ratio_smallest_chunk",
@@ -107,11 +107,11 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
         ("leak_bytes_per_step", "memory leaked per step by keeping the loss tensor (predicted to the byte)"),
         ("optimizer_in_backward_peak_ratio", "peak memory with the optimizer step in backward, vs after it"),
     ],
-    "14_checkpoint_and_resume": [
+    "16_checkpoint_and_resume": [
         ("full_resume_max_weight_difference", "weight difference after a full resume (0 = bit-identical)"),
         ("weight_difference_without_rng", "weight difference when the RNG state is not restored"),
     ],
-    "15_capstone_fit_then_fast": [
+    "17_capstone_fit_then_fast": [
         ("largest_batch_fp32", "largest batch that fits the memory budget, fp32"),
         ("largest_batch_best", "largest batch that fits the same budget, autocast + checkpointing"),
     ],
@@ -142,7 +142,7 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
 }
 # Key plots, by file-name prefix in results/<slug>/figures/; the first match of each is shown.
 KEY_PLOTS = ["00_step_timeline", "01_footprint_by_batch", "03_memory_vs_time", "04_autocast_memory",
-             "15_largest_batch", "08_budget_memory_vs_recompute"]
+             "17_largest_batch", "08_budget_memory_vs_recompute"]
 MAX_PLOTS = 6
 
 

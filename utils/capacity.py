@@ -1,7 +1,7 @@
 """The largest batch that fits: a search under a memory budget, a prediction, and a comparison of configurations.
 
-Introduced in notebook 15 (the capstone). These are instruments: the training step they measure is the
-reader's own (notebook 15 writes it in plain PyTorch: autocast, checkpointed blocks, accumulation, fused
+Introduced in notebook 17 (the capstone). These are instruments: the training step they measure is the
+reader's own (notebook 17 writes it in plain PyTorch: autocast, checkpointed blocks, accumulation, fused
 AdamW), passed in as ``step(batch_size)``.
 
 ``find_max_batch_size`` doubles the batch size until a training step runs out of memory, then bisects

@@ -164,7 +164,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch
 
 # --- the script, part 3 of 3: sharded checkpoints and the loop -----------------------------------------------------
 def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, step: int) -> Path:
-    """Every rank writes its shards into step_NNNNNN.partial; rank 0 renames it once all have (atomic, notebook 14)."""
+    """Every rank writes its shards into step_NNNNNN.partial; rank 0 renames it once all have (atomic, notebook 16)."""
     final, partial = folder / f"step_{step:06d}", folder / f"step_{step:06d}.partial"
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)      # what a rank killed in an earlier attempt left

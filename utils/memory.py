@@ -352,7 +352,7 @@ class measure_memory:  # noqa: N801 - used as a context manager, reads like a fu
             (``untyped_storage().resize_(0)``, how FSDP2 frees all-gathered parameters; notebook
             11). Costs time proportional to the live storages on every op.
         budget_bytes: a memory budget in bytes (default None: none), so that code can run out of
-            memory on purpose (notebook 15's batch-size search). With the tracker, an op whose
+            memory on purpose (notebook 17's batch-size search). With the tracker, an op whose
             new storage would take the followed bytes (the ``include`` baseline plus what the
             region allocated) past it raises ``torch.OutOfMemoryError``, like a GPU would. With
             the CUDA allocator the region starts with ``torch.cuda.empty_cache()`` (cached free

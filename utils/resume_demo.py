@@ -1,6 +1,6 @@
-"""Fresh processes for notebook 14: run the notebook's own checkpoint recipe where nothing else is in memory.
+"""Fresh processes for notebook 16: run the notebook's own checkpoint recipe where nothing else is in memory.
 
-Introduced in notebook 14. The notebook writes its recipe as plain functions (``make_data``,
+Introduced in notebook 16. The notebook writes its recipe as plain functions (``make_data``,
 ``make_run``, ``train``, ``training_state``, ``save_atomically``, ``restore`` and
 ``train_until_preempted``); a resumed run proves something only in a process that shares nothing
 with the run that saved, so the notebook sends the *source text* of those functions
@@ -44,7 +44,7 @@ def recipe_namespace(recipe: str, settings: Mapping[str, Any]) -> dict[str, Any]
     """Execute the recipe's source text in a fresh namespace that holds the modules it uses and ``settings``.
 
     Args:
-        recipe: Python source defining at least ``RECIPE_FUNCTIONS`` (notebook 14's cells, as text).
+        recipe: Python source defining at least ``RECIPE_FUNCTIONS`` (notebook 16's cells, as text).
         settings: the module-level names the recipe reads (``DEVICE``, ``SEED``, ``BATCH_SIZE`` ...).
 
     Returns:
@@ -63,7 +63,7 @@ def recipe_namespace(recipe: str, settings: Mapping[str, Any]) -> dict[str, Any]
     namespace: dict[str, Any] = {"__name__": "recipe", "math": math, "os": os, "random": random, "signal": signal,
                                  "tempfile": tempfile, "time": time, "Path": Path, "torch": torch, "F": F,
                                  "nn": torch.nn, "utils": utils, **settings}
-    exec(compile(recipe, "<notebook 14's recipe>", "exec"), namespace)
+    exec(compile(recipe, "<notebook 16's recipe>", "exec"), namespace)
     missing = [name for name in RECIPE_FUNCTIONS if not callable(namespace.get(name))]
     if missing:
         raise ValueError(f"the recipe does not define {missing}; it needs {list(RECIPE_FUNCTIONS)}")
@@ -165,7 +165,7 @@ def _context() -> Any:
     global _FORKSERVER
     if _FORKSERVER is None:
         if "forkserver" not in multiprocessing.get_all_start_methods():
-            raise RuntimeError("notebook 14's child processes need the 'forkserver' start method (Linux, macOS)")
+            raise RuntimeError("notebook 16's child processes need the 'forkserver' start method (Linux, macOS)")
         _FORKSERVER = multiprocessing.get_context("forkserver")
         _FORKSERVER.set_forkserver_preload(["utils.resume_demo", "torch._dynamo"])  # optimizers import it
     return _FORKSERVER

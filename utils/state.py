@@ -1,6 +1,6 @@
-"""What notebook 14 keeps out of its recipe: the arithmetic of how often to save, and a folder fsync.
+"""What notebook 16 keeps out of its recipe: the arithmetic of how often to save, and a folder fsync.
 
-Notebook 14 writes the checkpoint recipe itself in plain PyTorch (the complete training state, an
+Notebook 16 writes the checkpoint recipe itself in plain PyTorch (the complete training state, an
 atomic save, a ``torch.load(weights_only=True)`` restore) and runs it. What stays here:
 
 - how often to save: Young's and Daly's interval, the expected overhead, and a simulation of

@@ -1,6 +1,6 @@
 """A training-memory calculator: the peak bytes of a training step per device, term by term, checked by measuring.
 
-Introduced in notebook 12 (distributed), which prints its 7B and 70B tables; notebook 15 (capstone) predicts
+Introduced in notebook 12 (distributed), which prints its 7B and 70B tables; notebook 17 (capstone) predicts
 its model with it before measuring. As a program::
 
     python -m utils.calculator --hf-config utils/calculator/configs/llama-2-7b.json   # a transformers config.json
@@ -36,7 +36,7 @@ the shapes; the peak is the replay's highest point). The package's files are its
   ``LlamaForCausalLM`` and the family that shares its block (Mistral, Qwen2), replayed as transformers 5
   trains it; ``hf_gpt2.py``: ``GPT2LMHeadModel`` (Conv1D, learned positions, dropout, its activations),
   replayed the same way;
-* ``loss.py``: transformers' losses (``labels=``, your own, notebook 15's summed shifted loss) and the
+* ``loss.py``: transformers' losses (``labels=``, your own, notebook 17's summed shifted loss) and the
   chunked loss; ``counter.py``: the storage counter the transformers grid measures with beside ``MemTracker``;
 * ``dataparallel.py``, ``optimizers.py``: ZeRO/FSDP, torch.optim's state and
   temporaries;  ``step.py``: one whole step; ``predict.py``: the public API; ``presets.py``;

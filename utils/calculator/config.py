@@ -11,7 +11,7 @@ ARCHS = ("gpt", "llama")                       # the course's designs (utils.Tin
 HF_ARCHS = ("hf-llama", "hf-gpt2")             # transformers' own models, read from their config (hf.py)
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu")   # GPT-2's activation_function (None: gelu_new)
 ATTENTIONS = ("sdpa", "eager")                 # transformers' attn_implementation
-LOSSES = ("labels", "logits", "shifted-sum")   # model(..., labels=), F.cross_entropy on outputs.logits, notebook 15's
+LOSSES = ("labels", "logits", "shifted-sum")   # model(..., labels=), F.cross_entropy on outputs.logits, notebook 17's
 PRECISIONS = ("fp32", "bf16-autocast", "bf16")
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw", "adafactor", "adamw8bit")
 OPTIMIZER_IMPLS = ("for-loop", "foreach", "fused")
@@ -197,7 +197,7 @@ class TrainingSetup:
             sequences (the 4-D mask is then built and kept; without padding sdpa runs ``is_causal``).
         loss: transformers' designs: ``"labels"`` (``model(input_ids, labels=...).loss``, the model's
             shifted loss), ``"logits"`` (your own ``F.cross_entropy`` on ``outputs.logits.float()``) or
-            ``"shifted-sum"`` (notebook 15's ``train_step``: the targets counted first, then
+            ``"shifted-sum"`` (notebook 17's ``train_step``: the targets counted first, then
             ``F.cross_entropy(logits[:, :-1].flatten(0, -2), labels[:, 1:].flatten(), reduction="sum") / count``
             and a running total of the loss).
         chunked_loss: 0 computes ``F.cross_entropy`` on the whole logits; c > 0 uses

@@ -1,4 +1,4 @@
-"""The losses, replayed: a transformers causal LM's (``labels=``, your own on the logits, notebook 15's summed loss
+"""The losses, replayed: a transformers causal LM's (``labels=``, your own on the logits, notebook 17's summed loss
 over the count) and the chunked loss (``utils.chunked_cross_entropy``, notebook 08), head and loss chunk by chunk."""
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class _HfLoss:
     * ``"labels"``: ``model(..., labels=labels).loss`` (``ForCausalLMLoss``): ``logits.float()``, the labels
       padded by one and shifted (a contiguous copy that ``nll_loss`` keeps), the mean over the targets;
     * ``"logits"``: ``F.cross_entropy(model(...).logits.flatten(0, 1).float(), targets.flatten())``;
-    * ``"shifted-sum"``: notebook 15's ``train_step``: ``count = (labels[:, 1:] != -100).sum()`` and
+    * ``"shifted-sum"``: notebook 17's ``train_step``: ``count = (labels[:, 1:] != -100).sum()`` and
       ``total = torch.zeros(())`` before the first micro-batch, then per micro-batch
       ``loss = F.cross_entropy(logits[:, :-1].flatten(0, -2), labels[:, 1:].flatten(), reduction="sum") / count``
       (the slice's ``flatten`` copies the logits but the last position; the division comes after the model's
@@ -143,7 +143,7 @@ class _HfLoss:
     """
 
     def hf_step_begin(self) -> None:
-        """What the step allocates before its first micro-batch: notebook 15's count of targets and running total."""
+        """What the step allocates before its first micro-batch: notebook 17's count of targets and running total."""
         self.hf_last_loss: _T | None = None
         if self.setup.loss != "shifted-sum":
             return
@@ -192,7 +192,7 @@ class _HfLoss:
         return loss
 
     def hf_backward(self, micro: int, loss: _T) -> None:
-        """``(loss / accumulation_steps).backward()``, or notebook 15's ``loss.backward()`` (its loss already
+        """``(loss / accumulation_steps).backward()``, or notebook 17's ``loss.backward()`` (its loss already
         divided by the count, and kept until the next micro-batch's replaces it)."""
         shifted = self.setup.loss == "shifted-sum"
         self.backward_loss(micro, loss, divide=self.setup.accumulation_steps > 1 and not shifted)

@@ -140,7 +140,7 @@ def hf_reference_step(net: Any, optimizer: Any, batch: dict[str, Any], setup: An
     ``loss = net(input_ids=..., attention_mask=..., labels=...).loss`` (the output object, which holds the
     logits and the cache, is dropped at once), or with ``setup.loss == "logits"`` your own
     ``F.cross_entropy(net(...).logits.flatten(0, 1).float(), targets.flatten())``, or with ``"shifted-sum"``
-    notebook 15's ``train_step`` (the targets counted first, ``loss_sum(net(...), labels) / count``, a running
+    notebook 17's ``train_step`` (the targets counted first, ``loss_sum(net(...), labels) / count``, a running
     total, each loss kept until the next replaces it); then ``loss.backward()``
     (``(loss / accumulation_steps).backward()`` when accumulating); then ``optimizer.step()`` and
     ``optimizer.zero_grad(set_to_none=True)``. ``mark(phase)`` is called where the replay's phases begin
@@ -163,7 +163,7 @@ def hf_reference_step(net: Any, optimizer: Any, batch: dict[str, Any], setup: An
             handles.append(layer.register_forward_hook(after))
         handles.append(final_norm.register_forward_pre_hook(lambda m, a: mark(f"{_micro[0]}.head")))
     _micro = ["m0"]
-    if setup.loss == "shifted-sum":                   # notebook 15's train_step: the whole batch's targets counted
+    if setup.loss == "shifted-sum":                   # notebook 17's train_step: the whole batch's targets counted
         count = (batch["labels"][..., 1:] != -100).sum()
         total = torch.zeros(())
     try:
@@ -205,7 +205,7 @@ def hf_reference_step(net: Any, optimizer: Any, batch: dict[str, Any], setup: An
 
 
 def _shifted_sum(outputs: Any, labels: Any) -> Any:
-    """Notebook 15's ``llama_loss_sum``: position t predicts t + 1, summed over the targets that count."""
+    """Notebook 17's ``llama_loss_sum``: position t predicts t + 1, summed over the targets that count."""
     import torch.nn.functional as F
 
     logits = outputs.logits[:, :-1]
@@ -310,7 +310,7 @@ def hf_validation_grid(check: bool = False) -> list[tuple[str, Any, Any]]:
     sliding window longer and shorter than the sequence; fp32, bf16 autocast and pure bf16; peft LoRA (all linear
     layers, or q/v with dropout) with and without ``gradient_checkpointing_enable``; ``labels=`` and your own
     loss on the logits; a padded batch with its ``attention_mask``; a model without cache; micro-batch 1;
-    gradient accumulation; AdamW (for-loop, foreach and fused), SGD with momentum and Adafactor; notebook 15's
+    gradient accumulation; AdamW (for-loop, foreach and fused), SGD with momentum and Adafactor; notebook 17's
     summed loss over the count (``loss="shifted-sum"``). GPT-2 (``GPT2LMHeadModel``): its dropouts at 0.1
     (sdpa's math kernel) and at 0 (the flash kernel), eager attention, untied head, ``gelu_new`` and
     ``gelu_pytorch_tanh``, peft LoRA on its ``Conv1D`` layers, every precision, checkpointing and loss.
@@ -364,7 +364,7 @@ def hf_validation_grid(check: bool = False) -> list[tuple[str, Any, Any]]:
         ("mistral window 4096 fp32", _tiny(sliding_window=4096, name="tiny MistralForCausalLM"), s()),
         ("mistral window 8 < 16 tokens", _tiny(sliding_window=8, name="tiny Mistral, window 8"), s()),
         ("sdpa gqa autocast own loss", gqa, s(precision=ac, loss="logits")),
-        ("notebook 15: padded shifted-sum fused", _tiny(use_cache=False, name="tiny, use_cache=False"),
+        ("notebook 17: padded shifted-sum fused", _tiny(use_cache=False, name="tiny, use_cache=False"),
          s(padded=True, loss="shifted-sum", optimizer_impl="fused")),
         ("shifted-sum autocast accumulation 2", gqa, s(loss="shifted-sum", precision=ac, accumulation_steps=2)),
         ("shifted-sum bf16 checkpointing", gqa, s(loss="shifted-sum", precision=bf, checkpointing=ck)),
@@ -382,7 +382,7 @@ def hf_validation_grid(check: bool = False) -> list[tuple[str, Any, Any]]:
     ]
     if not check:
         return grid
-    subset = ("sdpa gqa padded autocast lora", "eager bf16 padded checkpointing", "notebook 15: padded shifted-sum fused",
+    subset = ("sdpa gqa padded autocast lora", "eager bf16 padded checkpointing", "notebook 17: padded shifted-sum fused",
               "gpt2 sdpa dropout 0.1 autocast", "gpt2 lora c_attn,c_fc checkpointing")
     return [row for row in grid if row[0] in subset]
 

@@ -1,4 +1,4 @@
-"""Notebook 14's recipe (``training_state``, ``save_atomically``, ``restore``), taken from the notebook's cells
+"""Notebook 16's recipe (``training_state``, ``save_atomically``, ``restore``), taken from the notebook's cells
 tagged ``recipe`` and run on models it was not written for: a transformers Llama (bf16 autocast over fp32 weights,
 and a bf16 base), an ``nn.Sequential`` and a model with a fused qkv weight, on padded targets, with a GradScaler
 forced on. Each asserts the notebook's claims: the resumed run is the uninterrupted one bit for bit, the file
@@ -22,7 +22,7 @@ VOCAB, LENGTH, ROWS, BATCH = 64, 12, 16, 4
 
 @pytest.fixture(scope="module")
 def recipe() -> dict:
-    return run_recipe("14")
+    return run_recipe("16")
 
 
 def _llama(dtype):

@@ -1,4 +1,4 @@
-"""Wrong answers to notebook 15's exercises: each replaces the solution cell, and the graded cell must fail on it."""
+"""Wrong answers to notebook 17's exercises: each replaces the solution cell, and the graded cell must fail on it."""
 
 _MODEL_CHECKPOINTED = '''
 def llama_model_and_optimizer():

@@ -1,4 +1,4 @@
-"""Notebook 15's recipe (``checkpoint_each``, ``build_recipe``, ``train_step``, ``make_scaler`` and the loss and
+"""Notebook 17's recipe (``checkpoint_each``, ``build_recipe``, ``train_step``, ``make_scaler`` and the loss and
 batch helpers), taken from the notebook's cells tagged ``recipe`` and run on models it was not written for: a
 transformers Llama (bf16 autocast over fp32 weights, and a bf16 base) on right-padded batches given as a dict, an
 ``nn.Sequential``, and a model with a fused qkv weight. Each asserts the notebook's claims: the gradient handed to
@@ -23,7 +23,7 @@ SETTINGS = {"AMP_DTYPE": torch.bfloat16, "DEVICE": torch.device("cpu"), "LEARNIN
 
 @pytest.fixture(scope="module")
 def recipe() -> dict:
-    return run_recipe("15", namespace=dict(SETTINGS))
+    return run_recipe("17", namespace=dict(SETTINGS))
 
 
 def _flat_grad(model) -> torch.Tensor:

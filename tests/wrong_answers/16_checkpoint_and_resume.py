@@ -1,4 +1,4 @@
-"""Wrong answers to notebook 14's exercises: the mistakes learners make (format: tests/wrong_answers/README.md)."""
+"""Wrong answers to notebook 16's exercises: the mistakes learners make (format: tests/wrong_answers/README.md)."""
 
 WRONG = {
     "exercise_1": {
