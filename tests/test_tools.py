@@ -89,6 +89,30 @@ def test_make_run_runs_every_notebook_and_reports_the_failing_cell(tmp_path, mon
     assert entries["01_passes"]["seconds"] > 0 and entries["01_passes"]["device_slug"] == runtimes["device"]["slug"]
 
 
+def test_progress_names_each_notebook_the_time_so_far_and_the_estimate(tmp_path):
+    results = tmp_path / "results"
+    for slug, seconds in (("intel-xeon-2-threads", 30.0), ("nvidia-h100-80gb-hbm3", 5.0)):
+        (results / slug).mkdir(parents=True)
+        (results / slug / "runtimes.json").write_text(json.dumps({"03_x": {"full": {"seconds": seconds}}}))
+    cpu = {"slug": "amd-epyc-avx2-2-threads", "kind": "cpu"}
+    assert run_notebooks.reference_seconds("03_x", "full", cpu, results) == (30.0, "intel-xeon-2-threads")
+    assert run_notebooks.reference_seconds("03_x", "full", {"slug": "nvidia-h200", "kind": "cuda"},
+                                           results) == (5.0, "nvidia-h100-80gb-hbm3")
+    assert run_notebooks.reference_seconds("03_x", "check", cpu, results) is None
+    notebooks = [Path("03_x.ipynb"), Path("04_y.ipynb")]
+    line = run_notebooks.progress_line(0, notebooks, [(30.0, "intel-xeon-2-threads"), None], 125.0)
+    assert line == ("[1/2] 03_x: 2.1 min so far; estimate 30 s (intel-xeon-2-threads), about 30 s left in all "
+                    "(+1 without a reference)")
+    assert "no reference time" in run_notebooks.progress_line(1, notebooks, [None, None], 0.0)
+
+
+@pytest.mark.parametrize("capability, forced, kind", [("AVX512", "", ""), ("AVX2", "", " (AVX2)"),
+                                                     ("AVX2", "avx2", " (AVX2, emulated)")])
+def test_a_cpu_without_avx512_files_under_a_folder_of_its_own(capability, forced, kind):
+    from tools.devices import cpu_kind
+    assert cpu_kind(capability, forced) == kind
+
+
 def test_make_run_refuses_an_unknown_notebook_name(capsys):
     assert run_notebooks.main(["99_nothing"]) == 2
     assert "no notebook matches ['99_nothing']" in capsys.readouterr().err

@@ -72,15 +72,35 @@ def describe_device(device: str | None = None) -> dict[str, object]:
     chosen = utils.pick_device(device)
     threads = torch.get_num_threads()
     cpu = cpu_model()
+    capability = torch.backends.cpu.get_cpu_capability()        # "AVX512", "AVX2", "DEFAULT", ...
     gpu = torch.cuda.get_device_name(chosen) if chosen.type == "cuda" else None
-    name = gpu if gpu else f"{cpu}, {threads} threads"
+    name = gpu if gpu else f"{cpu}{cpu_kind(capability)}, {threads} threads"
     return {
         "name": name,
         "slug": slugify(name),
         "kind": chosen.type,
         "torch": torch.__version__,
         "cpu_model": cpu,
+        "cpu_capability": capability,
         "threads": threads,
         "gpu": gpu,
         "environment": utils.environment_report(chosen),
     }
+
+
+def cpu_kind(capability: str, forced: str | None = None) -> str:
+    """What a CPU's name needs to tell two kinds of one model apart: ``""`` for one with AVX-512 (native bf16 on
+    the Xeons this course is filed on), ``" (AVX2)"`` for a CPU whose widest vector unit torch uses is AVX2 (bf16
+    and fp16 matmuls 10-50x slower than fp32: notebooks size their 16-bit sections down there), and
+    ``" (AVX2, emulated)"`` when ``ATEN_CPU_CAPABILITY`` forced torch below what the processor has.
+
+    Args:
+        capability: ``torch.backends.cpu.get_cpu_capability()``.
+        forced: the ``ATEN_CPU_CAPABILITY`` variable (read from the environment when None).
+    """
+    import os
+
+    forced = os.environ.get("ATEN_CPU_CAPABILITY", "") if forced is None else forced
+    if capability.upper().startswith("AVX512"):
+        return ""
+    return f" ({capability}, emulated)" if forced else f" ({capability})"

@@ -181,6 +181,46 @@ def _children_cpu_seconds() -> float | None:
     return usage.ru_utime + usage.ru_stime
 
 
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+
+
+def reference_seconds(stem: str, mode: str, device: dict, results: Path = RESULTS) -> tuple[float, str] | None:
+    """(seconds, folder) a reference machine took for this notebook in this mode, from ``results/*/runtimes.json``.
+
+    This machine's own folder first (its slug), then a folder of the same kind (a CPU's for a CPU), so a reader
+    sees an estimate before each notebook; None when no folder has the notebook.
+    """
+    folders = sorted(p for p in results.glob("*/runtimes.json"))
+    own = [p for p in folders if p.parent.name == device.get("slug")]
+    same_kind = [p for p in folders if p not in own
+                 and (p.parent.name.startswith(("nvidia", "amd-instinct")) == (device.get("kind") == "cuda"))]
+    for path in own + same_kind:
+        try:
+            entry = json.loads(path.read_text()).get(stem, {}).get(mode)
+        except (OSError, json.JSONDecodeError):
+            continue
+        if entry and entry.get("seconds"):
+            return float(entry["seconds"]), path.parent.name
+    return None
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+def progress_line(index: int, notebooks: list[Path], estimates: list[tuple[float, str] | None],
+                  elapsed_s: float) -> str:
+    """``[3/18] 03_activation_checkpointing: 2.1 min so far; estimate 28 s (intel-xeon-2-threads), about 9.5 min
+    left in all``: printed before each notebook, so a long `make run` or `make book` says where it is."""
+    estimate = estimates[index]
+    own = f"estimate {_minutes(estimate[0])} ({estimate[1]})" if estimate else "no reference time for it"
+    left = [e[0] for e in estimates[index:] if e]
+    unknown = sum(e is None for e in estimates[index:])
+    rest = f", about {_minutes(sum(left))} left in all" if left else ""
+    rest += f" (+{unknown} without a reference)" if left and unknown else ""
+    return f"[{index + 1}/{len(notebooks)}] {notebooks[index].stem}: {_minutes(elapsed_s)} so far; {own}{rest}"
+
+
 def format_failures(outcomes: list[Outcome]) -> str:
     """The closing summary: one block per failed notebook with the cell and the error."""
     failed = [o for o in outcomes if not o.ok]
@@ -204,7 +244,10 @@ def main(argv: list[str]) -> int:
     device = describe_device()
     print(f"{'check' if check else 'full'} mode on {device['name']}, into {build}", flush=True)
     outcomes = []
-    for notebook in notebooks:
+    started = time.perf_counter()
+    estimates = [reference_seconds(nb.stem, "check" if check else "full", device) for nb in notebooks]
+    for index, notebook in enumerate(notebooks):
+        print(progress_line(index, notebooks, estimates, time.perf_counter() - started), flush=True)
         outcomes.append(run_one(notebook, build, check=check))
         runtimes = record_runtimes(build, outcomes[-1:], check=check, device=device)  # kept even if stopped later
     print(f"\nwall times in {runtimes}")
