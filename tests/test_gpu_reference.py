@@ -106,8 +106,8 @@ def dry_run(tmp_path_factory):
     This run alone describes the machine for real and runs the calculator (``--help``): each imports torch."""
     tmp_path = tmp_path_factory.mktemp("gpu_reference")
     (tmp_path / "results" / "some-other-device").mkdir(parents=True)
-    done = _run(tmp_path, "--dry-run", "00:full", "01:full", "02:full", "03:full", "00",
-                GPU_REFERENCE_NOTEBOOK_TIMEOUT_S="3",
+    done = _run(tmp_path, "--dry-run", "unit-tests", "00:full", "01:full", "02:full", "03:full", "00",
+                GPU_REFERENCE_NOTEBOOK_TIMEOUT_S="3", GPU_REFERENCE_BUDGET_S="1000",
                 GPU_REFERENCE_PART_MIB="1", STUB_EXECUTED_BYTES=str(700_000))
     return tmp_path, done
 
@@ -152,6 +152,22 @@ def test_the_pack_fits_a_device_call_and_holds_the_filed_run(dry_run):
     assert not any("some-other-device" in name for name in members), "only this device's folder is packed"
     filed = json.loads((tmp_path / "build" / "filed" / slug / "results.json").read_text())
     assert [entry["notebook"][:2] for entry in filed] == ["00"], "only the notebook that passed is filed"
+
+
+def test_what_comes_back_drops_check_modes_copies_first_to_fit_the_call(tmp_path):
+    """A device call returns 8 files and 64 MiB in all: here 3 MiB, with 1 MiB of executed notebooks per run."""
+    done = _run(tmp_path, "--dry-run", "--no-tests", "00:full", "00:check", GPU_REFERENCE_BUDGET_S="1000",
+                GPU_REFERENCE_RETURN_MIB="3", GPU_REFERENCE_PART_MIB="1", STUB_EXECUTED_BYTES=str(1_000_000),
+                **described(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "out"
+    assert sum(p.stat().st_size for p in out.iterdir()) <= 3 * 2**20 and len(list(out.iterdir())) <= 8
+    assert "left out of the pack: run/check/executed" in (out / "summary.txt").read_text()
+    parts = sorted(out.glob("executed.tar.gz*"))
+    with tarfile.open(fileobj=__import__("io").BytesIO(b"".join(p.read_bytes() for p in parts))) as pack:
+        names = pack.getnames()
+    assert any(name.startswith("run/executed/") for name in names), "full mode's copies stay"
+    assert not any(name.startswith("run/check/") for name in names)
 
 
 def test_unpack_files_the_run_under_results(dry_run):

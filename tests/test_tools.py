@@ -134,9 +134,11 @@ def _full_run(build: Path, *, name: str = "AMD EPYC, 2 threads", slug: str = "am
         (build / "results" / f"{stem}.json").write_text(json.dumps(
             {"notebook": stem, "device": "cpu", "check_mode": check_mode, "figures": figures}))
         (build / "figures" / f"{stem[:2]}_plot.png").write_bytes(b"\x89PNG fake")
+    from tools.gpu_plan import code_hash
     entry = {"seconds": 12.3, "ok": ok, "device": device["name"], "device_slug": slug, "finished": "2026-11-23"}
     (build / "runtimes.json").write_text(json.dumps({"device": device, "modes": {"full": {
-        "00_measuring_memory_and_time": entry, "01_parameter_footprint": dict(entry, seconds=20.0)}}}))
+        "00_measuring_memory_and_time": dict(entry, code_hash=code_hash("00_measuring_memory_and_time")),
+        "01_parameter_footprint": dict(entry, seconds=20.0, code_hash=code_hash("01_parameter_footprint"))}}}))
     check = build / "check"
     check.mkdir()
     (check / "runtimes.json").write_text(json.dumps({"device": device, "modes": {"check": {
@@ -201,6 +203,24 @@ def test_bad_inputs_are_refused_with_clear_messages(tmp_path, capsys):
     readme.write_text("# no markers\n")
     assert readme_results.main(["--readme", str(readme), "--results", str(tmp_path / "results")]) == 1
     assert "markers" in capsys.readouterr().err and readme.read_text() == "# no markers\n", "nothing is guessed"
+
+
+def test_a_figure_measured_on_code_that_changed_since_is_marked(tmp_path):
+    from tools.gpu_plan import code_hash
+    build = _full_run(tmp_path / "build")
+    runtimes = json.loads((build / "runtimes.json").read_text())
+    runtimes["modes"]["full"]["00_measuring_memory_and_time"]["code_hash"] = code_hash("00_measuring_memory_and_time")
+    runtimes["modes"]["full"]["01_parameter_footprint"]["code_hash"] = "0" * 16      # measured on other code
+    (build / "runtimes.json").write_text(json.dumps(runtimes))
+    results = tmp_path / "results"
+    folder = save_results.save(build, results, build / "check")
+    assert json.loads((folder / "results.json").read_text())[0]["code_hash"] == code_hash("00_measuring_memory_and_time")
+    device, = readme_results.load_devices(results)
+    assert device.stale == {"01_parameter_footprint"}
+    section = readme_results.render_section([device], tmp_path)
+    rows = [line for line in section.splitlines() if line.startswith(("| 00 |", "| 01 |"))]
+    assert rows and all(("†" in row) == row.startswith("| 01 |") for row in rows), rows
+    assert "earlier version of its notebook's code" in section and "AMD EPYC, 2 threads: 01" in section
 
 
 def test_course_section_is_read_from_the_notebooks(tmp_path):

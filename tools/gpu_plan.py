@@ -1,17 +1,26 @@
 """The GPU reference run's plan: which notebooks run, in which mode and order, each within its own time limit.
 
-A GPU is lent rarely and briefly: one device call of at most ~8 minutes of command time. So one call first runs
-every notebook in check mode on CUDA, four at a time (every CUDA path exercised, 25-60 s each, about 3 minutes on an
-H100), then as many notebooks in full mode as fit, one at a time, in ``FULL_PRIORITY`` order (those whose GPU figures the README and the prose promise first), each
-with a limit derived from its estimated H100 time, never past the total. What each call ran is recorded in
-``results/<gpu>/reference_run.json`` (per notebook and mode: status, seconds, the notebook's content hash), and
-the default plan skips what already passed on that GPU for the notebook as it is now, so a few calls complete
-the set.
+A GPU is lent rarely and briefly: 15 minutes of device time a session, the machine's start included. So the plan
+fills gaps first and spreads the work over a few calls on one warm machine (``CALLS``, each ``CALL_BUDGET_S`` of
+command time, so that they and the start fit ``SESSION_S``). In order of value:
+
+1. full mode for every notebook that has never passed in full mode on this GPU (its figures are missing), in
+   ``FULL_PRIORITY`` order (those whose GPU figures the README and the prose promise first);
+2. the unit tests that exercise CUDA branches and the memory calculator's CUDA grid (``UNIT_TESTS``), when the code
+   they test changed since they last passed, and check mode for the notebooks whose *code* (code cells and the
+   ``utils`` modules they use, not their prose) changed since they last passed on this GPU and that step 1 does not
+   run in full mode anyway; these go four at a time in the background;
+3. full mode again for notebooks filed from code that has changed since (stale figures), last.
+
+Full mode runs alone, one notebook at a time (its timings are reported), each with a limit derived from its
+estimated time, never past the call's total. What each call ran is recorded in ``results/<gpu>/reference_run.json``
+(per notebook and mode: status, seconds, the notebook file's hash and its code hash), and the next call's plan
+starts where the last one stopped. ``--calls N`` prints the following calls too, as if everything planned passed.
 
 ``tools/gpu_reference.sh`` calls this module; run it alone to see a plan::
 
-    python tools/gpu_plan.py --print                    # the default plan, with estimated seconds per notebook
-    python tools/gpu_plan.py --print 05:full 03:check   # what was asked for, in that order
+    python tools/gpu_plan.py --print --calls 3           # the default plan, call by call, with estimates
+    python tools/gpu_plan.py --print 05:full 03:check    # what was asked for, in that order
 
 Arguments name notebooks by number or stem, alone (full mode; check mode in a dry run) or as ``NN:check`` /
 ``NN:full``. Only the standard library is used: the GPU image may lack the rest when this runs.
@@ -19,14 +28,17 @@ Arguments name notebooks by number or stem, alone (full mode; check mode in a dr
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
+UTILS = ROOT / "utils"
 MODES = ("check", "full")
 
 # Estimated seconds of one notebook on an H100, kernel start included: (check mode, full mode). Measured on an
@@ -46,6 +58,21 @@ DEFAULT_ESTIMATE_S = (30, 120)
 FULL_PRIORITY = ["04", "05", "17", "03", "10", "00", "01", "09", "08", "11", "06", "02", "07", "12", "13", "16"]
 # a notebook's limit: its estimate times this, and at least this many seconds more than the estimate
 LIMIT_FACTOR, LIMIT_MIN_EXTRA_S = 1.5, 30
+# A session's device time and how it is spent: the machine's start once (a minute or more, KINDS.md), then CALLS
+# calls on the warm machine, each with a few seconds of transfer and Python start around its command.
+SESSION_S, START_S, CALLS, CALL_OVERHEAD_S = 900, 120, 3, 30
+CALL_BUDGET_S = (SESSION_S - START_S) // CALLS - CALL_OVERHEAD_S   # one call's command time (tools/gpu_reference.sh)
+SETUP_S, PACK_RESERVE_S = 25, 25      # inside each call: installing and describing the machine; filing and packing
+NOTEBOOK_BUDGET_S = CALL_BUDGET_S - SETUP_S - PACK_RESERVE_S           # what a call's plan may fill
+# the unit tests that run CUDA branches and the calculator's grid on CUDA: a background step like a check-mode run
+UNIT_TESTS = "unit-tests"
+UNIT_TESTS_ESTIMATE_S = 60
+UNIT_TEST_FILES = ("tests/test_cuda_paths.py", "tests/test_memory.py", "tests/test_env.py",
+                   "tests/test_timing_grads_models.py", "tests/test_gpu_sizes.py")
+# A GPU's time against the H100 estimates. The H200 is the H100's chip (the same arithmetic rates) with 141 GB at
+# 4.8 TB/s instead of 80 GB at 3.35: memory-bound steps go about 1.4x faster, compute-bound ones no faster; the
+# notebooks' steps are mostly small and launch- or memory-bound, so 0.9 of the H100's time, until a run measures it.
+SPEED_VS_H100 = {"nvidia-h100": 1.0, "nvidia-h200": 0.9}
 
 
 class PlanError(ValueError):
@@ -68,14 +95,70 @@ def notebook_stems(folder: Path = NOTEBOOKS) -> list[str]:
 
 
 def notebook_hash(stem: str, folder: Path = NOTEBOOKS) -> str:
-    """The first 16 hex digits of the notebook file's SHA-256: a run is "done" only for the notebook as it is now."""
+    """The first 16 hex digits of the notebook file's SHA-256 (prose and code): what a filed figure was measured on."""
     return hashlib.sha256((folder / f"{stem}.ipynb").read_bytes()).hexdigest()[:16]
 
 
-def estimate(stem: str, mode: str) -> tuple[int, int]:
-    """(estimated seconds, time limit in seconds) of one notebook in one mode on an H100."""
-    check_s, full_s = ESTIMATE_S.get(stem[:2], DEFAULT_ESTIMATE_S)
-    estimate_s = check_s if mode == "check" else full_s
+def _utils_exports(utils_dir: Path = UTILS) -> dict[str, str]:
+    """``utils/__init__.py``'s public name -> module map (``_EXPORTS``), read without importing the package."""
+    tree = ast.parse((utils_dir / "__init__.py").read_text())
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign)
+                                                                       else None)
+        if isinstance(target, ast.Name) and target.id == "_EXPORTS":
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def _module_files(name: str, utils_dir: Path) -> list[Path]:
+    """The files of ``utils.<name>``: a module, or a package's modules."""
+    if (utils_dir / f"{name}.py").is_file():
+        return [utils_dir / f"{name}.py"]
+    return sorted((utils_dir / name).rglob("*.py")) if (utils_dir / name).is_dir() else []
+
+
+def code_hash(stem: str, folder: Path = NOTEBOOKS, utils_dir: Path = UTILS) -> str:
+    """A hash of what a notebook *runs*: its code cells, and every ``utils`` module they name (``utils.measure_memory``
+    names ``utils/memory.py``; ``utils.calculator.predict_hf`` the calculator package). Its prose is left out, so an
+    edited sentence does not send a notebook back to the GPU; a changed code path does."""
+    notebook = json.loads((folder / f"{stem}.ipynb").read_text())
+    code = ["".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+            for c in notebook.get("cells", []) if c.get("cell_type") == "code"]
+    exports = _utils_exports(utils_dir)
+    names = set(re.findall(r"\butils\.(\w+)", "\n".join(code)))
+    names |= set(re.findall(r"^\s*from utils\.(\w+)", "\n".join(code), flags=re.M))
+    modules = sorted({exports.get(name, name) for name in names})
+    digest = hashlib.sha256("\n\x00".join(code).encode())
+    for module in modules:
+        for path in _module_files(module, utils_dir):
+            digest.update(path.relative_to(utils_dir).as_posix().encode() + b"\x00" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def unit_tests_hash(root: Path = ROOT) -> str:
+    """A hash of what the GPU run's unit tests exercise: their files and every module of ``utils``."""
+    digest = hashlib.sha256()
+    for path in [root / name for name in UNIT_TEST_FILES] + sorted((root / "utils").rglob("*.py")):
+        if path.is_file():
+            digest.update(path.relative_to(root).as_posix().encode() + b"\x00" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def speed_factor(slug: str | None) -> float:
+    """How long a GPU takes against the H100 estimates (``SPEED_VS_H100``; 1.0 for a GPU not named there)."""
+    for prefix, factor in SPEED_VS_H100.items():
+        if slug and slug.startswith(prefix):
+            return factor
+    return 1.0
+
+
+def estimate(stem: str, mode: str, factor: float = 1.0) -> tuple[int, int]:
+    """(estimated seconds, time limit in seconds) of one notebook in one mode, on an H100 times ``factor``."""
+    if stem == UNIT_TESTS:
+        estimate_s = int(round(UNIT_TESTS_ESTIMATE_S * factor))
+    else:
+        check_s, full_s = ESTIMATE_S.get(stem[:2], DEFAULT_ESTIMATE_S)
+        estimate_s = int(round((check_s if mode == "check" else full_s) * factor))
     return estimate_s, int(max(estimate_s * LIMIT_FACTOR, estimate_s + LIMIT_MIN_EXTRA_S))
 
 
@@ -91,6 +174,9 @@ def parse_requests(arguments: list[str], stems: list[str], *, dry_run: bool = Fa
     requests = []
     for argument in arguments:
         name, _, mode = argument.partition(":")
+        if name == UNIT_TESTS:
+            requests.append((UNIT_TESTS, "check"))        # the unit tests run in the background, as check mode does
+            continue
         mode = mode or ("check" if dry_run else "full")
         if mode not in MODES:
             raise PlanError(f"{argument!r}: the mode after ':' must be one of {', '.join(MODES)}")
@@ -101,58 +187,125 @@ def parse_requests(arguments: list[str], stems: list[str], *, dry_run: bool = Fa
     return requests
 
 
-def passed_already(record: dict, stem: str, mode: str, content_hash: str) -> bool:
-    """Whether ``reference_run.json`` holds a passing run of this notebook, as it is now, in this mode."""
+def passed_already(record: dict, stem: str, mode: str, content_hash: str, current_code_hash: str | None = None) -> bool:
+    """Whether ``reference_run.json`` holds a passing run of this notebook in this mode on code as it is now: the same
+    code hash (an entry filed before code hashes were kept: the same file hash)."""
     entry = record.get("runs", {}).get(stem, {}).get(mode)
-    return bool(entry) and entry.get("status") == "ok" and entry.get("hash") == content_hash
+    if not entry or entry.get("status") != "ok":
+        return False
+    if current_code_hash is not None and entry.get("code_hash"):
+        return entry["code_hash"] == current_code_hash
+    return entry.get("hash") == content_hash
+
+
+def ever_passed(record: dict, stem: str, mode: str) -> bool:
+    """Whether this notebook ever passed in this mode on this GPU, on any version of it (its figures are filed)."""
+    entry = record.get("runs", {}).get(stem, {}).get(mode)
+    return bool(entry) and entry.get("status") == "ok"
 
 
 def default_requests(stems: list[str], record: dict, *, dry_run: bool = False,
                      folder: Path = NOTEBOOKS) -> list[tuple[str, str]]:
-    """Every notebook in check mode (course order), then full mode in ``FULL_PRIORITY`` order, less what already
-    passed on this GPU for the notebook as it is now. A dry run (on a CPU) plans check mode only."""
-    check = [(s, "check") for s in stems if not passed_already(record, s, "check", notebook_hash(s, folder))]
+    """Gaps first, then what changed, then re-measurements (the module's docstring); a dry run (on a CPU) plans
+    check mode only, for every notebook not passed as it is now."""
+    def current(stem: str, mode: str) -> bool:
+        return passed_already(record, stem, mode, notebook_hash(stem, folder), code_hash(stem, folder))
+
     if dry_run:
-        return check
+        return [(s, "check") for s in stems if not current(s, "check")]
     rank = {number: i for i, number in enumerate(FULL_PRIORITY)}
     by_priority = sorted(stems, key=lambda s: (rank.get(s[:2], len(rank)), s))
-    full = [(s, "full") for s in by_priority if not passed_already(record, s, "full", notebook_hash(s, folder))]
-    return check + full
+    gaps = [s for s in by_priority if not ever_passed(record, s, "full")]
+    requests = [(s, "full") for s in gaps]
+    tests = record.get("tests", {})
+    if not (tests.get("status") == "ok" and tests.get("hash") == unit_tests_hash()):
+        requests.append((UNIT_TESTS, "check"))
+    requests += [(s, "check") for s in stems if s not in gaps and not current(s, "check")
+                 and not current(s, "full")]
+    requests += [(s, "full") for s in by_priority if s not in gaps and not current(s, "full")]
+    return requests
 
 
-def plan(requests: list[tuple[str, str]], budget_s: float,
-         check_jobs: int = 1) -> tuple[list[Step], list[Step]]:
+def plan(requests: list[tuple[str, str]], budget_s: float, check_jobs: int = 1,
+         factor: float = 1.0) -> tuple[list[Step], list[Step]]:
     """Split the requests into the steps that fit ``budget_s`` (by estimate, in order) and those left for a later call.
 
-    Check-mode runs go ``check_jobs`` at a time (each is small; the GPU machine has 16 cores), so each costs its
-    estimate divided by ``check_jobs``; full-mode runs go one at a time (their timings are reported). A step that
-    does not fit is left out and the next, shorter ones are still tried: the call never runs past its total, and it
-    uses the time it has.
+    Every wait is counted. Check-mode runs and the unit tests go in the background, ``check_jobs`` at a time (the GPU
+    machine has 16 cores), each in the lane that frees first; a full-mode run waits for everything in the background
+    to finish (it runs alone: its timings are reported), so a background group costs its longest lane, not its
+    average. A step that does not fit is left out and the next, shorter ones are still tried: the call never runs
+    past its total, and it uses the time it has. ``factor`` scales the H100 estimates to the GPU at hand.
     """
     if check_jobs < 1:
         raise PlanError(f"check_jobs must be at least 1, got {check_jobs}")
-    planned, left_over, used = [], [], 0.0
+    planned, left_over = [], []
+    foreground_s, lanes = 0.0, [0.0] * check_jobs     # when the current background group began; each lane's work
     for stem, mode in requests:
-        estimate_s, limit_s = estimate(stem, mode)
+        estimate_s, limit_s = estimate(stem, mode, factor)
         step = Step(stem, mode, estimate_s, limit_s)
-        cost_s = estimate_s / check_jobs if mode == "check" else estimate_s
-        if used + cost_s <= budget_s:
+        if mode == "check":
+            lane = min(range(check_jobs), key=lambda i: lanes[i])
+            if foreground_s + max(max(lanes), lanes[lane] + estimate_s) <= budget_s:
+                lanes[lane] += estimate_s
+                planned.append(step)
+                continue
+        elif foreground_s + max(lanes) + estimate_s <= budget_s:
+            foreground_s, lanes = foreground_s + max(lanes) + estimate_s, [0.0] * check_jobs
             planned.append(step)
-            used += cost_s
-        else:
-            left_over.append(step)
+            continue
+        left_over.append(step)
     return planned, left_over
 
 
-def format_plan(planned: list[Step], left_over: list[Step], budget_s: float, check_jobs: int = 1) -> str:
-    """The plan as a reader sees it: each notebook, its mode, estimate and limit, and the total."""
-    wall_s = sum(s.estimate_s / (check_jobs if s.mode == "check" else 1) for s in planned)
-    lines = [f"GPU reference plan: {len(planned)} runs in about {wall_s:.0f} s of the "
-             f"{budget_s:.0f} s budget (estimates for an H100; check mode {check_jobs} at a time)", f"{'notebook':<46}{'mode':<7}{'estimate':>9}{'limit':>7}"]
-    lines += [f"{s.stem:<46}{s.mode:<7}{s.estimate_s:>8}s{s.limit_s:>6}s" for s in planned]
+def plan_calls(requests: list[tuple[str, str]], budget_s: float, check_jobs: int = 1, factor: float = 1.0,
+               calls: int = CALLS) -> list[list[Step]]:
+    """The steps of ``calls`` successive calls, each planned on what the one before left, as if everything planned
+    passed; a last list holds what ``calls`` calls leave (empty when they finish the set)."""
+    if calls < 1:
+        raise PlanError(f"calls must be at least 1, got {calls}")
+    schedule, left = [], list(requests)
+    for _ in range(calls):
+        planned, left_over = plan(left, budget_s, check_jobs, factor)
+        schedule.append(planned)
+        left = [(step.stem, step.mode) for step in left_over]
+    schedule.append([Step(stem, mode, *estimate(stem, mode, factor)) for stem, mode in left])
+    return schedule
+
+
+def wall_seconds(steps: list[Step], check_jobs: int = 1) -> float:
+    """A call's notebook time by the same rule as ``plan``: background lanes, each full run after a drain."""
+    foreground_s, lanes = 0.0, [0.0] * check_jobs
+    for step in steps:
+        if step.mode == "check":
+            lane = min(range(check_jobs), key=lambda i: lanes[i])
+            lanes[lane] += step.estimate_s
+        else:
+            foreground_s, lanes = foreground_s + max(lanes) + step.estimate_s, [0.0] * check_jobs
+    return foreground_s + max(lanes)
+
+
+def format_plan(schedule: list[list[Step]], budget_s: float, check_jobs: int = 1, factor: float = 1.0) -> str:
+    """The plan as a reader sees it: each call's notebooks with mode, estimate and limit, and what is left after."""
+    *calls, left_over = schedule
+    gpu = "an H100" if factor == 1.0 else f"this GPU ({factor:g} x an H100's)"
+    lines = [f"GPU reference plan: estimates for {gpu}; check mode and the unit tests {check_jobs} at a time in the "
+             f"background, full mode alone; {budget_s:.0f} s of notebooks per call"]
+    for number, steps in enumerate(calls, 1):
+        if not steps and number > 1:
+            break
+        heading = "this call" if number == 1 else f"call {number} (if everything before passes)"
+        lines.append(f"{heading}: {len(steps)} runs in about {wall_seconds(steps, check_jobs):.0f} s")
+        if number == 1:
+            lines.append(f"  {'notebook':<46}{'mode':<7}{'estimate':>9}{'limit':>7}")
+            lines += [f"  {s.stem:<46}{s.mode:<7}{s.estimate_s:>8}s{s.limit_s:>6}s" for s in steps]
+        else:
+            lines.append("  " + " ".join(f"{s.stem[:2] if s.stem != UNIT_TESTS else s.stem}:{s.mode}" for s in steps))
     if left_over:
-        lines.append(f"left for a later call ({sum(s.estimate_s for s in left_over)} s): "
+        lines.append(f"left after {len(calls)} calls ({sum(s.estimate_s for s in left_over)} s): "
                      + " ".join(f"{s.stem[:2]}:{s.mode}" for s in left_over))
+    else:
+        used = sum(1 for steps in calls if steps)
+        lines.append(f"the set is complete after {used} call{'s' if used != 1 else ''}")
     return "\n".join(lines)
 
 
@@ -160,32 +313,40 @@ def main(argv: list[str] | None = None) -> int:
     """Print the plan (``--print``) or its steps as ``stem<TAB>mode<TAB>estimate<TAB>limit`` lines for the script."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("requests", nargs="*", help="NN, NN:check or NN:full, in the order to run them")
-    parser.add_argument("--budget", type=float, default=420.0, help="seconds the notebooks may take in all")
+    parser.add_argument("--budget", type=float, default=float(NOTEBOOK_BUDGET_S),
+                        help="seconds the notebooks may take in one call")
     parser.add_argument("--record", type=Path, default=None, help="results/<gpu>/reference_run.json, if any")
+    parser.add_argument("--slug", default=None, help="the GPU's results folder name (scales the H100 estimates)")
     parser.add_argument("--dry-run", action="store_true", help="plan check mode only (a run on a CPU)")
     parser.add_argument("--print", action="store_true", help="print the plan for a reader instead of the steps")
+    parser.add_argument("--calls", type=int, default=1, help="with --print: also plan this many calls in all")
     parser.add_argument("--check-jobs", type=int, default=1, help="check-mode runs at a time (full mode: one)")
     args = parser.parse_args(argv)
     if not args.budget > 0:
         parser.error(f"--budget must be a positive number of seconds, got {args.budget}")
+    if args.check_jobs < 1:
+        parser.error(f"--check-jobs must be at least 1, got {args.check_jobs}")
+    if args.calls < 1:
+        parser.error(f"--calls must be at least 1, got {args.calls}")
     stems = notebook_stems()
     record = json.loads(args.record.read_text()) if args.record and args.record.exists() else {}
+    slug = args.slug or (args.record.parent.name if args.record else None)
+    factor = speed_factor(slug)
     try:
         requests = (parse_requests(args.requests, stems, dry_run=args.dry_run) if args.requests
                     else default_requests(stems, record, dry_run=args.dry_run))
     except PlanError as error:
         print(f"gpu_plan: {error}", file=sys.stderr)
         return 2
-    if args.check_jobs < 1:
-        parser.error(f"--check-jobs must be at least 1, got {args.check_jobs}")
-    planned, left_over = plan(requests, args.budget, args.check_jobs)
     if args.print:
-        print(format_plan(planned, left_over, args.budget, args.check_jobs))
-    else:
-        for step in planned:
-            print(f"{step.stem}\t{step.mode}\t{step.estimate_s}\t{step.limit_s}")
-        for step in left_over:
-            print(f"{step.stem}\t{step.mode}\t{step.estimate_s}\t0")     # limit 0: listed as not run
+        print(format_plan(plan_calls(requests, args.budget, args.check_jobs, factor, args.calls), args.budget,
+                          args.check_jobs, factor))
+        return 0
+    planned, left_over = plan(requests, args.budget, args.check_jobs, factor)
+    for step in planned:
+        print(f"{step.stem}\t{step.mode}\t{step.estimate_s}\t{step.limit_s}")
+    for step in left_over:
+        print(f"{step.stem}\t{step.mode}\t{step.estimate_s}\t0")     # limit 0: listed as not run
     return 0
 
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU reference run in one call: on a CUDA machine that has Python and torch but no Jupyter.
 #
-#   tools/gpu_reference.sh                     the default call: every notebook in check mode on CUDA, then full mode for
-#                                              as many as fit, in tools/gpu_plan.py's priority order, less what already
-#                                              passed on this GPU (results/<gpu>/reference_run.json): a few calls
-#                                              complete the set
+#   tools/gpu_reference.sh                     the default call: full mode for the notebooks never filed on this GPU,
+#                                              then the unit tests and check mode for what changed since it passed, then
+#                                              re-measurements (tools/gpu_plan.py), less what already passed on this GPU
+#                                              (results/<gpu>/reference_run.json): three calls complete the set
+#   tools/gpu_reference.sh unit-tests          the unit tests that run CUDA branches and the calculator's CUDA grid
 #   tools/gpu_reference.sh NN[:check|:full] …  those notebooks, in that order (a bare NN: full mode)
 #   tools/gpu_reference.sh --plan [NN …]       print the plan with each notebook's estimated time, run nothing
 #   tools/gpu_reference.sh --dry-run [NN ...]  the same on this machine: the local .venv, check mode, no install
@@ -34,7 +35,8 @@
 # GPU_REFERENCE_DRY_RUN=1 (= --dry-run), PYTHON (the interpreter), GPU_REFERENCE_BUILD (the work folder),
 # GPU_REFERENCE_WHEELS (default .whl/), GPU_REFERENCE_RESULTS (the results/ folder filed onto and unpacked into),
 # GPU_REFERENCE_RUNS (where --unpack puts whole runs, default build/gpu-reference-runs), GPU_REFERENCE_PART_MIB
-# (size of executed.tar.gz's parts, 15), and, for tests only, GPU_REFERENCE_RUNNER (a command run as
+# (size of executed.tar.gz's parts, 15), GPU_REFERENCE_RETURN_MIB (what $OUT may hold in all, 64: a device call's
+# limit), and, for tests only, GPU_REFERENCE_RUNNER (a command run as
 # `RUNNER STEM` instead of tools/run_notebooks.py STEM) and GPU_REFERENCE_ENVIRONMENT (a JSON file taken as the
 # machine's description, environment.json, instead of describing it with torch: a stubbed run imports no torch).
 set -uo pipefail
@@ -67,6 +69,8 @@ done
 RESULTS=${GPU_REFERENCE_RESULTS:-$ROOT/results}          # results/<device>/ folders: copied from, unpacked into
 RUNS=${GPU_REFERENCE_RUNS:-$ROOT/build/gpu-reference-runs}  # --unpack puts each device's whole run here
 PART_MIB=${GPU_REFERENCE_PART_MIB:-15}                     # executed.tar.gz is split into parts of this size
+RETURN_FILES=8                                             # what a device call brings back from $OUT: 8 files,
+RETURN_LIMIT_MIB=${GPU_REFERENCE_RETURN_MIB:-64}           # 64 MiB in all
 
 # what the GPU image already has (KINDS.md's package list, 2026-11-17): --wheels leaves these out, except the
 # packages named here that requirements.txt pins
@@ -151,13 +155,15 @@ PLAN_FLAGS=()
 [ "$DRY_RUN" = 1 ] && PLAN_FLAGS+=(--dry-run)
 "$PLAN_PY" tools/gpu_plan.py --budget 1 "${PLAN_FLAGS[@]}" "${NOTEBOOKS[@]}" > /dev/null || exit 2
 
-BUDGET_S=${GPU_REFERENCE_BUDGET_S:-470}
+# one call's command time, and what each call spends outside its notebooks: tools/gpu_plan.py holds the numbers
+# (three calls on one warm machine and its start fit a session's 15 minutes of device time)
+read -r DEFAULT_BUDGET_S SETUP_ESTIMATE_S PACK_RESERVE_S < <("$PLAN_PY" -c \
+    "from tools.gpu_plan import CALL_BUDGET_S as c, SETUP_S as s, PACK_RESERVE_S as p; print(c, s, p)") || exit 2
+BUDGET_S=${GPU_REFERENCE_BUDGET_S:-$DEFAULT_BUDGET_S}
 NOTEBOOK_TIMEOUT_S=${GPU_REFERENCE_NOTEBOOK_TIMEOUT_S:-330}
 TESTS_TIMEOUT_S=${GPU_REFERENCE_TESTS_TIMEOUT_S:-45}
-SETUP_ESTIMATE_S=25   # installing and describing the machine (the unit tests and the calculator grid run beside check mode)
 PYTEST_ARGS=${GPU_REFERENCE_PYTEST_ARGS-tests/test_cuda_paths.py tests/test_memory.py tests/test_env.py \
 tests/test_timing_grads_models.py tests/test_gpu_sizes.py}
-PACK_RESERVE_S=25          # kept back from the budget for filing and packing
 CHECK_JOBS=${GPU_REFERENCE_CHECK_JOBS:-4}   # check-mode notebooks at a time (a dry run, on this machine: 1)
 [ "$DRY_RUN" = 1 ] && CHECK_JOBS=${GPU_REFERENCE_CHECK_JOBS:-1}
 case $CHECK_JOBS in ''|*[!0-9]*|0) echo "GPU_REFERENCE_CHECK_JOBS must be a positive whole number, got '$CHECK_JOBS'" >&2
@@ -166,10 +172,11 @@ PLAN_FLAGS+=(--check-jobs "$CHECK_JOBS")
 MIN_NOTEBOOK_S=10          # a notebook with less time left than this (or than its estimate) is not started
 if [ "$MODE" = plan ]; then   # a plan alone: what a call would run, with estimates, for the GPU named by its slug
     record=${GPU_REFERENCE_SLUG:+$RESULTS/$GPU_REFERENCE_SLUG/reference_run.json}
-    "$PLAN_PY" tools/gpu_plan.py --print "${PLAN_FLAGS[@]}" --budget $(( BUDGET_S - SETUP_ESTIMATE_S - PACK_RESERVE_S )) \
+    "$PLAN_PY" tools/gpu_plan.py --print --calls 3 "${PLAN_FLAGS[@]}" \
+        --budget $(( BUDGET_S - SETUP_ESTIMATE_S - PACK_RESERVE_S )) ${GPU_REFERENCE_SLUG:+--slug "$GPU_REFERENCE_SLUG"} \
         ${record:+--record "$record"} "${NOTEBOOKS[@]}" || exit 2
-    echo "(the first $SETUP_ESTIMATE_S s of the $BUDGET_S s go to installing; the unit tests and the calculator grid run beside check mode;" \
-         "GPU_REFERENCE_SLUG=<results folder> plans around what that GPU already passed)"
+    echo "(each call: $BUDGET_S s of command time, the first $SETUP_ESTIMATE_S s installing, the last $PACK_RESERVE_S s" \
+         "filing and packing; GPU_REFERENCE_SLUG=<results folder> plans around what that GPU already passed)"
     exit 0
 fi
 if [ "$DRY_RUN" = 1 ]; then
@@ -345,22 +352,30 @@ pack() {   # summary, results, logs, the filed folder -> $OUT/reference.tar.gz; 
     for extra in "$RUN"/check/runtimes-*.json; do [ -e "$extra" ] && members+=("run/check/${extra##*/}"); done
     tar -czf "$OUT_DIR/reference.tar.gz" -C "$BUILD" "${members[@]}" || return 1
     rm -f "$OUT_DIR"/executed.tar.gz*
-    local executed=()
+    # what a device call returns: at most 8 files, 16 MiB each, 64 MiB in all (the device tool's limits). The
+    # executed notebooks go in parts into what summary.txt and reference.tar.gz leave; when they do not fit, check
+    # mode's copies are dropped first (full mode's hold the figures' outputs), then all of them, and summary.txt says so
+    local room parts_allowed executed=() size
+    room=$(( RETURN_LIMIT_MIB * 1024 * 1024 - $(stat -c %s "$OUT_DIR/reference.tar.gz") \
+             - $(stat -c %s "$OUT_DIR/summary.txt") - 1024 * 1024 ))
+    parts_allowed=$(( RETURN_FILES - 2 ))
     [ -d "$RUN/executed" ] && executed+=(run/executed)
     [ -d "$RUN/check/executed" ] && executed+=(run/check/executed)
-    if [ ${#executed[@]} -gt 0 ]; then
+    while [ ${#executed[@]} -gt 0 ]; do
         tar -czf "$OUT_DIR/executed.tar.gz" -C "$BUILD" "${executed[@]}" || return 1
-        local size
         size=$(stat -c %s "$OUT_DIR/executed.tar.gz")
-        if [ "$size" -gt $((5 * PART_MIB * 1024 * 1024)) ]; then
-            rm -f "$OUT_DIR/executed.tar.gz"   # more than five parts: the 8 files a device call returns would not do
-            echo "executed notebooks left out of the pack: $((size / 1024 / 1024)) MiB compressed" \
-                >> "$OUT_DIR/summary.txt"
-        elif [ "$size" -gt $((PART_MIB * 1024 * 1024)) ]; then
-            split -b "${PART_MIB}M" -d -a 1 "$OUT_DIR/executed.tar.gz" "$OUT_DIR/executed.tar.gz.part-" \
-                && rm -f "$OUT_DIR/executed.tar.gz" || return 1
+        if [ "$size" -le "$room" ] && [ "$size" -le $(( parts_allowed * PART_MIB * 1024 * 1024 )) ]; then
+            if [ "$size" -gt $((PART_MIB * 1024 * 1024)) ]; then
+                split -b "${PART_MIB}M" -d -a 1 "$OUT_DIR/executed.tar.gz" "$OUT_DIR/executed.tar.gz.part-" \
+                    && rm -f "$OUT_DIR/executed.tar.gz" || return 1
+            fi
+            break
         fi
-    fi
+        rm -f "$OUT_DIR/executed.tar.gz"
+        echo "executed notebooks left out of the pack: ${executed[-1]} ($((size / 1024 / 1024)) MiB compressed with" \
+             "the rest; a call returns $RETURN_FILES files, $RETURN_LIMIT_MIB MiB in all)" >> "$OUT_DIR/summary.txt"
+        unset 'executed[-1]'
+    done
 }
 
 kernels_of() {   # the processes whose command line names this notebook's own runtime folder: its kernel
@@ -412,9 +427,7 @@ setup_checks() {
             || echo "python -m utils.calculator $CALCULATOR_ARGS: exit $?" >> "$BUILD/calculator_validation.txt"
     fi
 }
-BACKGROUND=()          # the set-up checks and the check-mode notebooks running now
-setup_checks &
-BACKGROUND+=($!)
+BACKGROUND=()          # the unit tests and the check-mode notebooks running now (the plan's background steps)
 
 drain() {   # wait for everything running in the background, then pack what it made
     local pid
@@ -457,13 +470,14 @@ run_step() {   # one notebook in one mode under its limit; appends its line to s
 }
 
 DEADLINE=$((STARTED + BUDGET_S))
-# the plan for the time left: check mode for every notebook, then full mode by priority, less what already passed on
-# this GPU (results/<gpu>/reference_run.json), or what the arguments asked for, in their order
+# the plan for the time left (tools/gpu_plan.py): full mode for what was never filed on this GPU, then the unit tests
+# and check mode for what changed since it passed, then re-measurements, less what already passed
+# (results/<gpu>/reference_run.json); or what the arguments asked for, in their order
 RECORD=$RESULTS/$SLUG/reference_run.json
 left=$((DEADLINE - $(date +%s) - PACK_RESERVE_S))
-"$PY" tools/gpu_plan.py --print "${PLAN_FLAGS[@]}" --budget "$(( left > 1 ? left : 1 ))" --record "$RECORD" \
-    "${NOTEBOOKS[@]}" > "$BUILD/plan.txt" 2>&1
-"$PY" tools/gpu_plan.py "${PLAN_FLAGS[@]}" --budget "$(( left > 1 ? left : 1 ))" --record "$RECORD" \
+"$PY" tools/gpu_plan.py --print --calls 3 "${PLAN_FLAGS[@]}" --budget "$(( left > 1 ? left : 1 ))" \
+    --record "$RECORD" --slug "$SLUG" "${NOTEBOOKS[@]}" > "$BUILD/plan.txt" 2>&1
+"$PY" tools/gpu_plan.py "${PLAN_FLAGS[@]}" --budget "$(( left > 1 ? left : 1 ))" --record "$RECORD" --slug "$SLUG" \
     "${NOTEBOOKS[@]}" > "$BUILD/plan.tsv" || { FAILED_AT="planning failed"; exit 2; }
 cat "$BUILD/plan.txt"
 while IFS=$'\t' read -r stem mode estimate planned_limit; do
@@ -484,6 +498,14 @@ while IFS=$'\t' read -r stem mode estimate planned_limit; do
     limit=$planned_limit
     [ "$limit" -gt "$NOTEBOOK_TIMEOUT_S" ] && limit=$NOTEBOOK_TIMEOUT_S
     [ "$limit" -gt "$left" ] && limit=$left
+    if [ "$stem" = unit-tests ]; then   # the plan's background step for the unit tests and the calculator's grid
+        if [ -n "$PYTEST_ARGS$CALCULATOR_ARGS" ]; then
+            echo "running the unit tests and the calculator grid (estimate ${estimate} s)"
+            setup_checks &
+            BACKGROUND+=($!)
+        fi
+        continue
+    fi
     echo "running $stem in $mode mode (estimate ${estimate} s, limit ${limit} s)"
     if [ "$mode" = check ]; then
         run_step "$stem" "$mode" "$limit" &
@@ -518,15 +540,20 @@ folder = build / "filed" / slug
 
 
 def update_runs(record: dict, build: Path) -> None:
-    """record["runs"][stem][mode] = this call's status, seconds and the notebook's content hash (what the next
-    call's default plan skips when it passed, tools/gpu_plan.py)."""
-    from tools.gpu_plan import notebook_hash
+    """record["runs"][stem][mode] = this call's status, seconds, the notebook file's hash and its code hash (what the
+    next call's default plan skips when it passed, and what the README compares a filed figure against,
+    tools/gpu_plan.py); record["tests"] = the unit tests' verdict and the hash of what they test."""
+    from tools.gpu_plan import code_hash, notebook_hash, unit_tests_hash
     runs = record.setdefault("runs", {})
     for line in (build / "status.tsv").read_text().splitlines():
         stem, mode, status, seconds, _ = line.split("\t")
         if status != "not run":
             runs.setdefault(stem, {})[mode] = {"status": status, "seconds": float(seconds),
-                                               "hash": notebook_hash(stem)}
+                                               "hash": notebook_hash(stem), "code_hash": code_hash(stem)}
+    if (build / "tests.json").exists():
+        tests = json.loads((build / "tests.json").read_text())
+        record["tests"] = {"status": "ok" if tests.get("status") == "passed" else tests.get("status"),
+                           "line": tests.get("line"), "hash": unit_tests_hash()}
 
 log = (build / "logs" / "filing.log").read_text().strip()
 if rc == 0 and folder.is_dir():

@@ -25,8 +25,10 @@ import json
 import math
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # tools.gpu_plan, when run as a script
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -159,6 +161,7 @@ class Device:
     environment: dict
     results: dict[str, dict]      # notebook stem -> its results file
     runtimes: dict[str, dict]     # notebook stem -> {"full": {...}, "check": {...}}
+    stale: set[str] = field(default_factory=set)   # notebooks whose code changed since their figures were measured
 
     @property
     def name(self) -> str:
@@ -196,8 +199,34 @@ def load_devices(results_root: Path = RESULTS_ROOT, slugs: list[str] | None = No
             runtimes = json.loads((folder / "runtimes.json").read_text()) if (folder / "runtimes.json").exists() else {}
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ReadmeError(f"{folder} holds a file that is not what tools/save_results.py writes: {exc}") from exc
-        devices.append(Device(slug, folder, environment, results, runtimes))
+        devices.append(Device(slug, folder, environment, results, runtimes, stale_notebooks(folder, results)))
     return devices
+
+
+STALE_MARK = "†"
+
+
+def stale_notebooks(folder: Path, results: dict[str, dict], notebooks: Path = NOTEBOOKS) -> set[str]:
+    """The notebooks whose figures in ``folder`` were measured on code that has changed since.
+
+    A figure filed with the code hash of its run (``tools/gpu_plan.code_hash``: the code cells and the ``utils``
+    modules they use; prose edits do not count) is stale when the notebook's code hash differs now. One filed before
+    code hashes were kept is judged by the notebook file's hash in ``reference_run.json`` (a GPU run's record), and
+    is stale when nothing records what it was measured on.
+    """
+    from tools.gpu_plan import code_hash, notebook_hash
+    record_path = folder / "reference_run.json"
+    runs = json.loads(record_path.read_text()).get("runs", {}) if record_path.exists() else {}
+    stale = set()
+    for stem, result in results.items():
+        if not (notebooks / f"{stem}.ipynb").exists():
+            stale.add(stem)
+        elif result.get("code_hash"):
+            if result["code_hash"] != code_hash(stem, notebooks):
+                stale.add(stem)
+        elif runs.get(stem, {}).get("full", {}).get("hash") != notebook_hash(stem, notebooks):
+            stale.add(stem)
+    return stale
 
 
 TIMING_NAME = re.compile(r"speed|time|seconds|overhead|throughput|per_s\b|_ms\b", re.IGNORECASE)
@@ -425,7 +454,8 @@ def render_section(devices: list[Device], readme_dir: Path = ROOT) -> str:
         lines.append("| notebook | figure | " + " | ".join(d.name for d in devices) + " |")
         lines.append("|---|---|" + "---|" * len(devices))
         for stem, label, figures in lead:
-            lines.append(f"| {stem[:2]} | {label} | " + " | ".join(_value(f, label) for f in figures) + " |")
+            lines.append(f"| {stem[:2]} | {label} | " + " | ".join(_marked(d, stem, f, label)
+                                                                   for d, f in zip(devices, figures)) + " |")
         lines.append("")
         lines.append("And one or two headline figures of every notebook:")
         lines.append("")
@@ -437,8 +467,15 @@ def render_section(devices: list[Device], readme_dir: Path = ROOT) -> str:
     lines.append("| notebook | headline figure | " + " | ".join(d.name for d in devices) + " |")
     lines.append("|---|---|" + "---|" * len(devices))
     for stem, label, figures in headline_rows(devices):
-        lines.append(f"| {stem[:2]} | {label} | " + " | ".join(_value(f, label) for f in figures) + " |")
+        lines.append(f"| {stem[:2]} | {label} | " + " | ".join(_marked(d, stem, f, label)
+                                                               for d, f in zip(devices, figures)) + " |")
     lines.append("")
+    stale = {d.name: sorted(s[:2] for s in d.stale) for d in devices if d.stale}
+    if stale:
+        lines.append(f"{STALE_MARK} marks a figure measured on an earlier version of its notebook's code (its code "
+                     "cells or the `utils` modules they use changed since; the next run on that machine measures it "
+                     "again): " + "; ".join(f"{name}: {', '.join(numbers)}" for name, numbers in stale.items()) + ".")
+        lines.append("")
     lines.append("Each notebook's wall time in check mode / full mode, with the CPU time of its kernel in brackets "
                  "(a busy machine stretches wall time much more than CPU time; `runtimes.json` beside each "
                  "device's results also holds the load average during each run):")
@@ -450,6 +487,26 @@ def render_section(devices: list[Device], readme_dir: Path = ROOT) -> str:
                  for d in devices]
         lines.append(f"| {stem} | " + " | ".join(cells) + " |")
     lines.append(END)
+    return "\n".join(lines) + "\n"
+
+
+def _marked(device: Device, stem: str, figure: dict | None, label: str) -> str:
+    """A figure's cell: its value, with the stale mark when its notebook's code changed since it was measured."""
+    text = _value(figure, label)
+    return f"{text} {STALE_MARK}" if figure is not None and stem in device.stale else text
+
+
+GPU_ESTIMATES_BEGIN, GPU_ESTIMATES_END = "<!-- gpu-estimates -->", "<!-- /gpu-estimates -->"
+
+
+def render_gpu_estimates(notebooks: Path = NOTEBOOKS) -> str:
+    """The README's table of each notebook's estimated H100 seconds, from ``tools/gpu_plan.py`` (markers included)."""
+    from tools.gpu_plan import DEFAULT_ESTIMATE_S, ESTIMATE_S
+    lines = [GPU_ESTIMATES_BEGIN, "| notebook | check | full |", "|---|---|---|"]
+    for path in sorted(notebooks.glob("[0-9][0-9]_*.ipynb")):
+        check_s, full_s = ESTIMATE_S.get(path.stem[:2], DEFAULT_ESTIMATE_S)
+        lines.append(f"| {path.stem[:2]} | {check_s} s | {full_s} s |")
+    lines.append(GPU_ESTIMATES_END)
     return "\n".join(lines) + "\n"
 
 
@@ -483,8 +540,12 @@ def main(argv: list[str] | None = None) -> int:
         infos = [notebook_info(p) for p in sorted(args.notebooks.glob("[0-9][0-9]_*.ipynb"))]
         text = args.readme.read_text()
         wanted_text = text
+        optional = {GPU_ESTIMATES_BEGIN}            # a README without these markers has no such table
         for begin, end, render in [(COURSE_BEGIN, COURSE_END, lambda: render_course(infos, devices, args.readme.parent)),
-                                   (BEGIN, END, lambda: render_section(devices, args.readme.parent))]:
+                                   (BEGIN, END, lambda: render_section(devices, args.readme.parent)),
+                                   (GPU_ESTIMATES_BEGIN, GPU_ESTIMATES_END, lambda: render_gpu_estimates(args.notebooks))]:
+            if begin in optional and begin not in wanted_text:
+                continue
             before, _, after = split_readme(wanted_text, begin, end)
             wanted_text = before + render() + after
     except (ReadmeError, FileNotFoundError) as exc:

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import utils  # noqa: E402
 from tools.devices import describe_device  # noqa: E402
+from tools.gpu_plan import code_hash  # noqa: E402
 from tools.nbtools import execute, list_notebooks  # noqa: E402
 from utils.results import main as summarize  # noqa: E402
 
@@ -45,6 +46,7 @@ class Outcome:
     load_average: float | None = None  # the machine's 1-minute load average when it finished
     cpu_seconds: float | None = None   # CPU time of the kernel and what it started (less sensitive to a busy machine)
     finished: str = ""                 # when it finished (UTC, ISO 8601)
+    code_hash: str = ""                # what it ran (tools/gpu_plan.code_hash): a filed figure is stale when it changes
 
 
 def select(notebooks: list[Path], wanted: list[str]) -> list[Path]:
@@ -127,7 +129,7 @@ def record_runtimes(build: Path, outcomes: list[Outcome], *, check: bool, device
         entries[outcome.stem] = {"seconds": round(outcome.seconds, 1), "ok": outcome.ok,
                                  "cpu_seconds": outcome.cpu_seconds, "load_average": outcome.load_average,
                                  "device": device["name"], "device_slug": device["slug"],
-                                 "finished": outcome.finished}
+                                 "finished": outcome.finished, "code_hash": outcome.code_hash}
     data["device"] = device
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
@@ -138,6 +140,7 @@ def run_one(notebook: Path, build: Path, *, check: bool) -> Outcome:
     """Execute one notebook into ``build/executed/`` and render its HTML, failing or not."""
     clear_previous_outputs(build, notebook)
     executed = build / "executed" / notebook.name
+    ran = code_hash(notebook.stem, notebook.parent)            # before the run: an edit during it is not what ran
     started = time.perf_counter()
     cpu_before = _children_cpu_seconds()
     try:
@@ -146,6 +149,7 @@ def run_one(notebook: Path, build: Path, *, check: bool) -> Outcome:
     except Exception as exc:  # noqa: BLE001 - any failure is reported, and the next notebook still runs
         where, error = describe_failure(exc)
         outcome = Outcome(notebook.stem, time.perf_counter() - started, ok=False, where=where, error=error)
+    outcome.code_hash = ran
     outcome.load_average = _load_average()
     cpu_after = _children_cpu_seconds()
     if cpu_before is not None and cpu_after is not None:

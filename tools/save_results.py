@@ -112,7 +112,9 @@ def save(build: Path, results_root: Path = RESULTS_ROOT, check_build: Path | Non
 
     results_path = folder / "results.json"
     filed = {r["notebook"]: r for r in (json.loads(results_path.read_text()) if results_path.exists() else [])}
-    filed.update(passed)
+    for stem, result in passed.items():      # the code that measured each figure: the README marks it once it changes
+        code = runtimes["modes"]["full"][stem].get("code_hash")
+        filed[stem] = {**result, **({"code_hash": code} if code else {})}
     results_path.write_text(json.dumps([filed[k] for k in sorted(filed)], indent=2) + "\n")
 
     for stem in passed:
