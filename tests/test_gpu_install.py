@@ -223,6 +223,22 @@ def wheelhouse(tmp_path):
     return wheels
 
 
+def test_wheels_chosen_on_another_python_follow_the_images_markers(tmp_path):
+    """make gpu-wheels runs on this machine's Python; the GPU image's is 3.12, where papermill needs aiohttp: the
+    markers are judged for 3.12, and a bare image (Python, torch and BARE_IMAGE_HAS) is told what it lacks."""
+    from tools import gpu_install
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    _wheel(wheels, "fakerunner", "2.0", ['fakehttp>=3.9; python_version == "3.12"', "numpy", "filelock"])
+    index = gpu_install.wheel_index(wheels)
+    assert gpu_install.to_install(["fakerunner"], index, python="3.12", bare=True)[1] == ["fakehttp"], \
+        "numpy is one of what a bare image must hold; filelock comes with torch"
+    assert gpu_install.to_install(["fakerunner"], index, python="3.11", bare=True)[1] == []
+    listed = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_install.py"), "--wheels", str(wheels),
+                             "--python", "3.12", "--bare", "--missing", "fakerunner"], capture_output=True, text=True)
+    assert listed.returncode == 0 and listed.stdout.split() == ["fakehttp"], listed.stderr
+
+
 @pytest.mark.skipif(PYTHON_312 is None, reason="no python3.12 on this machine (the GPU machines' version)")
 @pytest.mark.parametrize("image", ["bare python 3.12 with torch 2.11 only", "the usual GPU image"])
 def test_install_takes_from_the_wheels_only_what_the_image_lacks(tmp_path, wheelhouse, image):

@@ -30,6 +30,15 @@ from pathlib import Path
 RUN_REQUIREMENTS = ["papermill", "nbclient", "nbformat", "nbconvert", "ipykernel", "matplotlib", "pytest",
                     "transformers", "peft"]
 NEVER_INSTALLED = {"torch", "triton"}
+# What an image with Python and torch alone holds besides torch: torch's own requirements (its wheel's METADATA).
+TORCH_BRINGS = {"filelock", "typing-extensions", "sympy", "mpmath", "networkx", "jinja2", "markupsafe", "fsspec",
+                "setuptools"}
+# What a "bare" image must still hold besides Python and torch for `make gpu-wheels --bare` (everything else) to fit
+# the 64 MiB a device call carries with the tree: these wheels alone are 40 MB (numpy 16, matplotlib 10, pillow 7,
+# fonttools 5 and more). Any image that runs torch notebooks has them.
+BARE_IMAGE_HAS = {"numpy", "pillow", "matplotlib", "fonttools", "kiwisolver", "contourpy"}
+# The GPU machines' Python: markers are evaluated for it when the wheels are chosen on another Python (make gpu-wheels).
+IMAGE_PYTHON = "3.12"
 # The libraries whose exact version the course's byte predictions are validated against (the calculator's
 # transformers and peft replay, requirements.txt's pins): where the wheels carry that version and the image holds
 # another, the carried one is installed over it (on PYTHONPATH, ahead of the image's).
@@ -47,15 +56,16 @@ def wheel_index(folder: Path) -> dict[str, Path]:
     return {canonical(path.name.split("-")[0]): path for path in sorted(folder.glob("*.whl"))}
 
 
-def wheel_requirements(wheel: Path) -> list[str]:
-    """The names a wheel requires (its METADATA's ``Requires-Dist``), extras-only requirements left out."""
+def wheel_requirements(wheel: Path, python: str | None = None) -> list[str]:
+    """The names a wheel requires (its METADATA's ``Requires-Dist``), extras-only requirements left out; markers are
+    evaluated for this interpreter, or for Python ``python`` ("3.12") where given."""
     with zipfile.ZipFile(wheel) as archive:
         metadata_name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
         metadata = Parser().parsestr(archive.read(metadata_name).decode("utf-8", "replace"))
     names = []
     for requirement in metadata.get_all("Requires-Dist") or []:
         spec, _, marker = requirement.partition(";")
-        if "extra" in marker or not _marker_holds(marker.strip()):
+        if "extra" in marker or not _marker_holds(marker.strip(), python):
             continue
         match = _NAME.match(spec)
         if match:
@@ -66,14 +76,16 @@ def wheel_requirements(wheel: Path) -> list[str]:
 _ATOM = re.compile(r"""(\w+)\s*(==|!=|<=|>=|<|>|not in|in)\s*["']([^"']*)["']""")
 
 
-def _marker_holds(marker: str) -> bool:
-    """Whether an environment marker holds here: with ``packaging`` where it is installed, else with a small
-    evaluator of ``name op "value"`` terms joined by and/or (a marker it cannot read is kept)."""
+def _marker_holds(marker: str, python: str | None = None) -> bool:
+    """Whether an environment marker holds here (or on Python ``python``, e.g. "3.12": papermill needs aiohttp on 3.12
+    only): with ``packaging`` where it is installed, else with a small evaluator of ``name op "value"`` terms joined by
+    and/or (a marker it cannot read is kept)."""
     if not marker:
         return True
+    override = {"python_version": python, "python_full_version": f"{python}.0"} if python else {}
     try:
         from packaging.markers import Marker
-        return Marker(marker).evaluate()
+        return Marker(marker).evaluate(override or None)
     except ImportError:          # a bare image
         pass
     except Exception:            # a marker this packaging cannot read: keep the requirement
@@ -84,7 +96,7 @@ def _marker_holds(marker: str) -> bool:
               "platform_machine": platform.machine(), "implementation_name": sys.implementation.name,
               "platform_python_implementation": platform.python_implementation(),
               "python_version": ".".join(map(str, sys.version_info[:2])),
-              "python_full_version": platform.python_version()}
+              "python_full_version": platform.python_version(), **override}
 
     def version(text: str) -> tuple:
         return tuple(int(part) if part.isdigit() else 0 for part in text.split("."))
@@ -124,10 +136,13 @@ def installed(name: str, version: str | None = None) -> bool:
     return version is None or have == version
 
 
-def to_install(requirements: list[str], wheels: dict[str, Path]) -> tuple[list[Path], list[str]]:
+def to_install(requirements: list[str], wheels: dict[str, Path], *, python: str | None = None,
+               bare: bool = False) -> tuple[list[Path], list[str]]:
     """(wheels to install, names missing from both the image and the wheels), following dependencies.
 
-    A requirement the image already has is not followed further: its own dependencies are the image's.
+    A requirement the image already has is not followed further: its own dependencies are the image's. With
+    ``bare`` the image is taken to hold Python and torch alone (``TORCH_BRINGS``), whatever this interpreter has;
+    ``python`` evaluates the wheels' markers for that version (``make gpu-wheels`` runs on another Python).
     """
     chosen: dict[str, Path] = {}
     unavailable: list[str] = []
@@ -140,13 +155,13 @@ def to_install(requirements: list[str], wheels: dict[str, Path]) -> tuple[list[P
         seen.add(name)
         wheel = wheels.get(name)
         exact = wheel_version(wheel) if wheel is not None and name in PINNED_EXACTLY else None
-        if installed(name, exact):
+        if (name in TORCH_BRINGS | BARE_IMAGE_HAS) if bare else installed(name, exact):
             continue
         if wheel is None:
             unavailable.append(name)
             continue
         chosen[name] = wheel
-        stack.extend(wheel_requirements(wheel))
+        stack.extend(wheel_requirements(wheel, python))
     return [chosen[n] for n in sorted(chosen)], sorted(unavailable)
 
 
@@ -155,11 +170,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("requirements", nargs="*", default=None, help=f"default: {' '.join(RUN_REQUIREMENTS)}")
     parser.add_argument("--wheels", type=Path, required=True, help="the folder of carried wheels (.whl/)")
+    parser.add_argument("--python", default=None, help=f"evaluate markers for this Python (e.g. {IMAGE_PYTHON})")
+    parser.add_argument("--bare", action="store_true", help="as on an image with Python and torch alone")
+    parser.add_argument("--missing", action="store_true",
+                        help="print only the names neither the image nor the wheels have (make gpu-wheels fetches them)")
     args = parser.parse_args(argv)
     if not args.wheels.is_dir():
         print(f"gpu_install: {args.wheels} is not a folder of wheels (make gpu-wheels makes .whl/)", file=sys.stderr)
         return 2
-    wheels, unavailable = to_install(args.requirements or RUN_REQUIREMENTS, wheel_index(args.wheels))
+    wheels, unavailable = to_install(args.requirements or RUN_REQUIREMENTS, wheel_index(args.wheels),
+                                     python=args.python, bare=args.bare)
+    if args.missing:
+        print("\n".join(unavailable))
+        return 0
     for wheel in wheels:
         print(wheel)
     if unavailable:

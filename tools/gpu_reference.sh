@@ -10,8 +10,9 @@
 #   tools/gpu_reference.sh --plan [NN …]       print the plan with each notebook's estimated time, run nothing
 #   tools/gpu_reference.sh --dry-run [NN ...]  the same on this machine: the local .venv, check mode, no install
 #   tools/gpu_reference.sh --wheels [--bare]   (here, with network) download the wheels into .whl/ (make gpu-wheels):
-#                                              what the usual GPU image lacks, or (--bare) everything but torch for an
-#                                              image that has Python and torch alone (larger: check the 64 MiB carry)
+#                                              what the usual GPU image lacks, or (--bare) everything a Python 3.12
+#                                              image with torch, numpy, pillow and matplotlib lacks (about 50 MB:
+#                                              within the 64 MiB a call carries with the tree)
 #   tools/gpu_reference.sh --unpack DIR        (here) file what a run packed into DIR under results/<device>/
 #
 # A run: makes a venv that sees the image's own packages (--system-site-packages) and installs into it, from the
@@ -96,6 +97,26 @@ if [ "$MODE" = wheels ]; then
         for name in transformers peft; do hf_pins+=("$(grep -E "^$name==" requirements.txt)"); done
         "$PY" -m pip download --quiet "${platform[@]}" -d .whl "${hf_pins[0]}" psutil pyyaml safetensors || exit 2
         "$PY" -m pip download --quiet "${platform[@]}" --no-deps -d .whl "${hf_pins[1]}" accelerate || exit 2
+        # pip evaluated the wheels' markers for this Python, not the image's 3.12 (papermill needs aiohttp on 3.12
+        # only), and pytest (the CUDA unit tests) is nobody's dependency: fetch what a Python 3.12 image with torch
+        # alone would still lack, following the wheels' metadata, until nothing is missing
+        for round in 1 2 3 4 5 6; do
+            missing=$("$PY" tools/gpu_install.py --wheels .whl --python 3.12 --bare --missing) || exit 2
+            [ -z "$missing" ] && break
+            wanted=()
+            for name in $missing; do
+                wanted+=("$(grep -iE "^${name//-/[-_]}==" requirements.txt || echo "$name")")
+            done
+            "$PY" -m pip download --quiet "${platform[@]}" --no-deps -d .whl "${wanted[@]}" || exit 2
+        done
+        [ -n "$missing" ] && { echo "still missing for Python 3.12: $missing" >&2; exit 2; }
+        # what even a bare image must hold for the rest to fit a call (tools/gpu_install.py's BARE_IMAGE_HAS)
+        must_have=$("$PY" -c "from tools.gpu_install import BARE_IMAGE_HAS as b; print(' '.join(sorted(b)))") || exit 2
+        for wheel in .whl/*.whl; do
+            name=$(basename "$wheel" | cut -d- -f1 | tr 'A-Z_' 'a-z-')
+            for provided in $must_have; do [ "$name" = "$provided" ] && rm -f "$wheel"; done
+        done
+        echo "the image must hold Python 3.12, torch and: $must_have"
     else
         # the image has transformers and peft, but the calculator's replay is validated against the pinned versions:
         # carried without their dependencies (the image's serve), installed over the image's (tools/gpu_install.py)
@@ -112,8 +133,12 @@ if [ "$MODE" = wheels ]; then
     fi
     size_mib=$(( $(du -sk .whl | cut -f1) / 1024 ))
     [ "$size_mib" -gt 56 ] && echo "warning: .whl/ is ${size_mib} MiB: with the tree it may pass the 64 MiB a call carries" >&2
-    echo "$(ls .whl/*.whl | wc -l) wheels in .whl/, $(du -sh .whl | cut -f1) (the GPU image's own packages left out:"
-    echo "  $(echo $IMAGE_HAS))"
+    if [ "$BARE" = 1 ]; then
+        echo "$(ls .whl/*.whl | wc -l) wheels in .whl/, $(du -sh .whl | cut -f1) (for an image with Python 3.12 and torch)"
+    else
+        echo "$(ls .whl/*.whl | wc -l) wheels in .whl/, $(du -sh .whl | cut -f1) (the GPU image's own packages left out:"
+        echo "  $(echo $IMAGE_HAS))"
+    fi
     echo "a device call carries them with carry=[\".whl\"]; tools/gpu_reference.sh installs them there"
     exit 0
 fi
