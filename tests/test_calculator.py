@@ -3,6 +3,7 @@
 import math
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,25 +243,38 @@ def test_custom_shape_from_the_command_line(capsys):
     assert f"{expected.total / 2**30:,.2f}" in out
 
 
-def test_prediction_needs_no_torch_work_and_is_quick():
-    started = time.perf_counter()
+def test_a_question_about_a_config_file_imports_neither_torch_nor_matplotlib():
+    """Issue 43: the README's 70B QLoRA command, its largest-micro-batch search included, needs only Python."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from utils.calculator import main; "
+            "main(['--hf-config', 'llama-2-70b', '--precision', 'bf16', '--lora-rank', '16', '--base-quant', "
+            "'nf4-double', '--checkpointing', 'every_block', '--seq-len', '2048']); "
+            "print(sorted(m for m in ('torch', 'matplotlib', 'numpy', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
+    assert "largest micro-batch of 2048 tokens that fits:" in done.stdout
     breakdown = C.predict(C.preset("70B"), C.TrainingSetup(seq_len=4096, strategy="fsdp", ranks=64,
                                                           checkpointing="every_block"))
-    assert time.perf_counter() - started < 5.0
     assert breakdown.parameters == math.ceil(C.count_parameters(C.preset("70B")) * 4 / 64) or breakdown.parameters > 0
     assert not torch.is_tensor(breakdown.total)
 
 
-def test_the_calculator_is_a_package_of_short_modules():
-    """Issue 33: one file per part of the design (engine, ops, architectures, optimizers, command line,
-    validation), each short enough to read in one sitting."""
-    from pathlib import Path
-
+def test_the_calculator_is_a_package_of_short_modules_one_per_family():
+    """Issues 33 and 43: one file per part of the design (engine, ops, families, optimizers, command line,
+    validation), each short enough to read in one sitting, named for what it holds."""
     package = Path(C.__file__).parent
     assert package.name == "calculator" and not (package.parent / "calculator.py").exists()
-    lengths = {path.name: len(path.read_text().splitlines()) for path in package.glob("*.py")}
-    assert {"replay.py", "ops.py", "hf.py", "hf_llama.py", "optimizers.py", "cli.py", "validate.py",
-            "validate_hf.py"} <= set(lengths)
+    lengths = {str(path.relative_to(package)): len(path.read_text().splitlines()) for path in package.rglob("*.py")}
+    assert {"replay.py", "ops.py", "step.py", "layer_reuse.py", "from_transformers.py", "registry.py", "optimizers.py",
+            "data_parallel.py", "fewer_bits.py", "model_parallel.py", "parallel_tensors.py", "parallel_layout.py",
+            "cli.py", "validate.py", "validate_hf.py", "families/base.py", "families/decoder.py", "families/llama.py",
+            "families/qwen3.py", "families/phi3.py", "families/gemma2.py", "families/gemma3.py", "families/gpt2.py",
+            "families/course_gpt.py", "families/course_llama.py"} <= set(lengths)
+    assert not {"hf.py", "hf_llama.py", "hf_gpt2.py", "parallel_model.py", "model_parallel_cli.py"} & set(lengths)
     assert max(lengths.values()) <= 520, f"a module grew past one sitting: {lengths}"
     assert sorted(p.name for p in (package / "configs").glob("*.json")) == sorted(
         f"{name}.json" for name in C.SHIPPED_CONFIGS)

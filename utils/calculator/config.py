@@ -1,4 +1,8 @@
-"""What the reader describes: a transformer's shape (``ModelConfig``) and how it trains (``TrainingSetup``)."""
+"""What the reader describes: a transformer's shape (``ModelConfig``) and how it trains (``TrainingSetup``).
+
+Both are frozen dataclasses of plain numbers and names (no torch): bytes per element are ints, dtypes are names.
+What each design adds to ``ModelConfig`` is checked by its family (``families/``), found through ``registry.py``.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checks import positive_int
+from . import registry
 
-ARCHS = ("gpt", "llama")                       # the course's designs (utils.TinyTransformer, llama_like)
-HF_ARCHS = ("hf-llama", "hf-gpt2")             # transformers' own models, read from their config (hf.py)
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu")   # GPT-2's activation_function (None: gelu_new)
 ATTENTIONS = ("sdpa", "eager")                 # transformers' attn_implementation
 LOSSES = ("labels", "logits", "shifted-sum")   # model(..., labels=), F.cross_entropy on outputs.logits, notebook 17's
+OUTPUTS = ("kept", "kept-in-step", "dropped")  # what the reader's loop does with the model's output object
 PRECISIONS = ("fp32", "bf16-autocast", "bf16")
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw", "adafactor", "adamw8bit")
 OPTIMIZER_IMPLS = ("for-loop", "foreach", "fused")
@@ -23,6 +27,7 @@ BASE_QUANTS = ("none", "nf4", "nf4-double")       # a frozen 4-bit base (QLoRA),
 BF16_ROUNDINGS = ("nearest", "stochastic", "kahan")  # how pure bf16 AdamW writes its update (notebook 10)
 KINDS = ("parameters", "gradients", "optimizer_state", "activations", "loss", "weight_copies", "comm_buffers",
          "inputs", "temporaries")
+LAYER_TYPES = ("full_attention", "sliding_attention")   # transformers' config.layer_types
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -31,48 +36,62 @@ def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def _frozen(value: Any) -> Any:
+    """A hashable copy: lists and tuples as tuples, dicts as sorted (key, value) tuples."""
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a decoder-only transformer.
+    """The shape of a decoder-only transformer, and which design (family) it is.
 
-    Two block designs are modelled, each exactly as this module's reference step trains it:
+    The design is ``arch``, a family registered in ``registry.py`` (one module each under ``families/``):
 
-    * ``"gpt"``: ``utils.TinyTransformer`` (learned position embeddings, pre-norm LayerNorm with
-      bias, a fused qkv Linear, GELU MLP ``ffn_width`` wide, biases everywhere, an untied head with
-      bias, attention through ``F.scaled_dot_product_attention``).
-    * ``"llama"``: Llama's design as Hugging Face writes it (RMSNorm computed in float32, rotary
-      position embeddings, separate q/k/v/o projections with ``num_kv_heads`` key/value heads
-      (grouped-query attention, the key/value heads repeated before attention), a SwiGLU MLP, no
-      biases; the head tied to the embedding or not).
+    * the course's own designs: ``"gpt"`` (``utils.TinyTransformer``: learned positions, pre-norm LayerNorm with
+      bias, a fused qkv Linear, a GELU MLP, biases everywhere, an untied head with bias) and ``"llama"``
+      (``llama_like``: Llama written out in plain PyTorch: RMSNorm in float32, rotary embeddings, grouped-query
+      attention, SwiGLU, no biases, the head tied or not);
+    * transformers' models, as ``model_config_from_hf`` reads them from a config: ``"hf-llama"`` (Llama, Mistral,
+      Qwen2), ``"hf-qwen3"``, ``"hf-phi3"``, ``"hf-gemma2"``, ``"hf-gemma3"`` (Gemma 3's text model),
+      ``"hf-gpt2"``.
 
     Attributes:
         num_layers: transformer blocks.
         d_model: width of the residual stream.
-        num_heads: query heads; must divide ``d_model``.
+        num_heads: query heads.
         vocab_size: tokens in the vocabulary (rows of the embedding and the head).
         ffn_width: hidden width of the MLP (None: ``4 * d_model``).
-        num_kv_heads: key/value heads (None: ``num_heads``); must divide ``num_heads``. ``"gpt"``
-            needs ``num_kv_heads == num_heads``.
-        max_seq_len: longest sequence: the position table's rows for ``"gpt"``; the published context
-            length for ``"llama"``.
-        arch: ``"gpt"`` or ``"llama"`` (the course's designs); ``"hf-llama"`` (transformers'
-            ``LlamaForCausalLM`` and the models that share its block: Mistral, Qwen2) or ``"hf-gpt2"``
-            (``GPT2LMHeadModel``), as ``model_config_from_hf`` reads them from a config.
-        tied_embeddings: the head shares the embedding's weight (not ``"gpt"``; Llama 3.2 1B, GPT-2).
+        num_kv_heads: key/value heads (None: ``num_heads``); must divide ``num_heads``.
+        max_seq_len: longest sequence: the position table's rows for ``"gpt"`` and GPT-2; the published context
+            length otherwise.
+        arch: the design, a registered family (above).
+        tied_embeddings: the head shares the embedding's weight.
         name: a label for tables.
-        head_width, qkv_bias, out_bias, mlp_bias, attention, sliding_window, use_cache: transformers'
-            designs only: a head width other than ``d_model / num_heads`` (config ``head_dim``); biases
-            of the q/k/v, output and MLP projections (Qwen2: q/k/v); ``attn_implementation``
-            (``"sdpa"`` or ``"eager"``); Mistral's sliding window; ``config.use_cache`` (a model in
-            training mode without checkpointing fills a ``DynamicCache`` with a copy of every layer's
-            keys and values during forward); ``dropout``: ``"hf-gpt2"`` only, GPT-2's (``embd_pdrop``,
-            ``attn_pdrop``, ``resid_pdrop``) (each > 0 keeps a noise tensor per dropout in training, and
-            attention dropout moves sdpa to its math kernel on the CPU); ``activation``: ``"hf-gpt2"`` only,
-            its ``activation_function`` (None: ``"gelu_new"``, written out in eight elementwise ops).
+        head_width: a head width other than ``d_model / num_heads`` (config ``head_dim``).
+        qkv_bias, out_bias, mlp_bias: biases of the q/k/v, output and MLP projections (Qwen2: q/k/v).
+        attention: transformers' ``attn_implementation``, ``"sdpa"`` or ``"eager"``.
+        sliding_window: the window of the layers that slide (Mistral: every layer; ``layer_types`` says which).
+        use_cache: ``config.use_cache``: a model in training mode without checkpointing fills a ``DynamicCache``
+            with a copy of every layer's keys and values during forward.
+        dropout: three probabilities, (embedding, attention, residual): GPT-2's ``embd_pdrop``, ``attn_pdrop``,
+            ``resid_pdrop``; Phi-3's ``attention_dropout`` and ``resid_pdrop``; the others' ``attention_dropout``.
+            Each > 0 keeps a noise tensor per dropout in training; attention dropout sends sdpa to its math kernel
+            on the CPU.
+        activation: the MLP's activation where a family has several (GPT-2's ``activation_function``, None:
+            ``"gelu_new"``).
+        layer_types: per layer, ``"full_attention"`` or ``"sliding_attention"`` (transformers' ``layer_types``, as
+            its config computes them: Qwen2 and Qwen3 from ``use_sliding_window`` and ``max_window_layers``, Gemma
+            2 alternating, Gemma 3 five sliding to one full); None: every layer the same.
+        extra: what one family alone reads, as sorted (name, value) pairs (Gemma's soft-capping); the family
+            checks it.
 
     Raises:
-        ValueError: non-positive sizes, heads that do not divide the width, key/value heads that do
-            not divide the heads, an unknown ``arch``.
+        ValueError: non-positive sizes, heads that do not divide the width, key/value heads that do not divide
+            the heads, an unknown ``arch``, or a field the design does not have (the family names it).
 
     Example:
         >>> gpt2_small = ModelConfig(num_layers=12, d_model=768, num_heads=12, vocab_size=50257, max_seq_len=1024)
@@ -98,48 +117,41 @@ class ModelConfig:
     use_cache: bool = True
     dropout: tuple[float, float, float] = (0.0, 0.0, 0.0)
     activation: str | None = None
+    layer_types: tuple[str, ...] | None = None
+    extra: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "d_model", "num_heads", "vocab_size", "max_seq_len"):
             positive_int(name, getattr(self, name))
-        _choice("arch", self.arch, ARCHS + HF_ARCHS)
+        family = registry.family_of(self.arch)
         _choice("attention", self.attention, ATTENTIONS)
+        if isinstance(self.dropout, list):
+            object.__setattr__(self, "dropout", tuple(self.dropout))
         if (not isinstance(self.dropout, tuple) or len(self.dropout) != 3
-                or not all(isinstance(p, (int, float)) and 0 <= p < 1 for p in self.dropout)):
-            raise ValueError(f"dropout must be three probabilities in [0, 1) (GPT-2's embd_pdrop, attn_pdrop, "
-                             f"resid_pdrop), got {self.dropout!r}")
-        hf_only = {"head_width": self.head_width is not None, "qkv_bias": self.qkv_bias, "out_bias": self.out_bias,
-                   "mlp_bias": self.mlp_bias, "attention": self.attention != "sdpa",
-                   "sliding_window": self.sliding_window is not None, "dropout": any(self.dropout)}
-        given = [name for name, set_ in hf_only.items() if set_]
-        if self.arch in ARCHS and given:
-            raise ValueError(f"{', '.join(given)}: transformers' designs only (arch 'hf-llama' or 'hf-gpt2', made by "
-                             f"utils.calculator.model_config_from_hf); arch {self.arch!r} has none of them")
-        if self.activation is not None and (self.arch != "hf-gpt2" or self.activation not in GPT2_ACTIVATIONS):
-            raise ValueError(f"activation {self.activation!r}: expected None (the design's own) or, for arch 'hf-gpt2', "
-                             f"one of {GPT2_ACTIVATIONS}")
-        if any(self.dropout) and self.arch != "hf-gpt2":
-            raise ValueError("dropout is modelled for arch 'hf-gpt2' (GPT-2's embd_pdrop, attn_pdrop, resid_pdrop)")
-        for name in ("head_width", "sliding_window"):
+                or not all(isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p < 1
+                           for p in self.dropout)):
+            raise ValueError(f"dropout must be three probabilities in [0, 1) (embedding, attention, residual), got "
+                             f"{self.dropout!r}")
+        for name in ("head_width", "sliding_window", "ffn_width", "num_kv_heads"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
-        if self.ffn_width is not None:
-            positive_int("ffn_width", self.ffn_width)
-        if self.num_kv_heads is not None:
-            positive_int("num_kv_heads", self.num_kv_heads)
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise ValueError(f"layer_types must name each of the {self.num_layers} layers, one of {LAYER_TYPES}, "
+                                 f"got {self.layer_types!r}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types has sliding layers: expected a sliding_window")
+        object.__setattr__(self, "extra", _frozen(dict(self.extra)))
         if self.d_model % self.num_heads and self.head_width is None:
             raise ValueError(f"num_heads ({self.num_heads}) must divide d_model ({self.d_model}): expected a head "
                              f"count such as {_divisors_near(self.d_model, self.num_heads)}")
         if self.kv_heads > self.num_heads or self.num_heads % self.kv_heads:
             raise ValueError(f"num_kv_heads ({self.kv_heads}) must divide num_heads ({self.num_heads}): each key/value "
                              "head serves a whole group of query heads")
-        if self.arch in ("gpt", "hf-gpt2") and self.kv_heads != self.num_heads:
-            raise ValueError("arch 'gpt' (utils.TinyTransformer) has one key/value head per query head: expected "
-                             f"num_kv_heads None or {self.num_heads}, got {self.num_kv_heads}")
-        if self.tied_embeddings and self.arch == "gpt":
-            raise ValueError("tied_embeddings is modelled for arch 'llama' only (utils.TinyTransformer's head is untied)")
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+        family.check_model(self)
 
     @property
     def ffn(self) -> int:
@@ -159,7 +171,18 @@ class ModelConfig:
     @property
     def is_hf(self) -> bool:
         """A transformers model (``model_config_from_hf``), not one of the course's own designs."""
-        return self.arch in HF_ARCHS
+        return bool(registry.family_of(self.arch).model_types)
+
+    def setting(self, name: str, default: Any = None) -> Any:
+        """A family's own setting from ``extra`` (``default`` when absent)."""
+        return dict(self.extra).get(name, default)
+
+    def layer_type(self, layer: int) -> str:
+        """``"full_attention"`` or ``"sliding_attention"`` for layer ``layer`` (every layer slides when a window is
+        set without ``layer_types``, as Mistral's)."""
+        if self.layer_types is not None:
+            return self.layer_types[layer]
+        return "sliding_attention" if self.sliding_window is not None else "full_attention"
 
 
 def _divisors_near(width: int, heads: int) -> str:
@@ -208,7 +231,7 @@ class TrainingSetup:
         ranks: data-parallel ranks (1 for ``"single"``, at least 2 otherwise).
         device: ``"cuda"`` or ``"cpu"``: the few op-level details that differ (pure bf16 LayerNorm
             statistics are bf16 on the CPU, fp32 on CUDA).
-        base_quant: fewer bits (notebook 10; ``calculator/lowbit.py`` says what is replayed): ``"none"``;
+        base_quant: fewer bits (notebook 10; ``calculator/fewer_bits.py`` says what is replayed): ``"none"``;
             ``"nf4"`` or ``"nf4-double"``: every Linear weight of the blocks stored in 4-bit NF4 with an fp32
             absmax per ``quant_block`` elements (``"nf4-double"``: the absmaxes in int8, one fp32 scale per 256
             of them), frozen under LoRA (QLoRA: needs ``lora_rank > 0`` and ``precision="bf16"``).
@@ -221,6 +244,22 @@ class TrainingSetup:
             ``optimizer="adamw"`` and ``optimizer_impl="for-loop"``.
         fp8: dynamic FP8 training of the blocks' Linear layers (torchao's float8 recipe, tensorwise): the
             model state of ``precision`` (``"bf16-autocast"`` or ``"bf16"``), one-byte copies per matmul.
+        outputs: what the reader's loop does with the model's output object (transformers' designs; it holds the
+            logits, and the cache without checkpointing): ``"kept"``, the loop of most tutorials and the Hugging
+            Face course (``outputs = model(**batch)``, ``loss = outputs.loss``, or ``logits = model(x).logits``,
+            in the training loop): the variable keeps the last outputs alive through backward, the optimizer step
+            and the next forward, until that forward returns and replaces them; ``"kept-in-step"``: the same lines
+            inside a step function, whose return drops them after ``optimizer.zero_grad()``; ``"dropped"``: the
+            output object goes before backward (``loss = model(**batch).loss``, the Trainer's ``compute_loss``).
+            None: each design's own loop: ``"kept"`` for transformers' models with ``loss="labels"`` or
+            ``"logits"``, ``"dropped"`` for notebook 17's ``"shifted-sum"`` (it computes its loss inline) and the
+            course's designs (``reference_step`` does too).
+        reentrant: with ``checkpointing="every_block"``: ``use_reentrant=True`` (transformers'
+            ``gradient_checkpointing_kwargs={"use_reentrant": True}``): each block's forward runs without autograd,
+            and its backward recomputes the whole block, output included, then runs a backward of its own.
+        optimizer_options: the keyword arguments given to the optimizer's constructor (a dict, kept as sorted
+            pairs): what changes memory is replayed or refused, the rest (``lr``, ``betas``, ...) is read and
+            needs nothing (``optimizers.OPTIMIZER_OPTIONS`` says which is which).
 
     Raises:
         ValueError: an unknown choice, a non-positive size, a strategy that needs more ranks than
@@ -252,6 +291,9 @@ class TrainingSetup:
     kbit_prepared: bool = False
     bf16_rounding: str = "nearest"
     fp8: bool = False
+    outputs: str | None = None
+    reentrant: bool = False
+    optimizer_options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         positive_int("micro_batch", self.micro_batch, "sequences per device")
@@ -287,6 +329,19 @@ class TrainingSetup:
             raise ValueError(f"torch.optim has no fused {self.optimizer!r}: expected optimizer_impl 'for-loop' or "
                              "'foreach' (fused exists for sgd, sgd_momentum, adam, adamw)")
         self._check_fewer_bits()
+        if self.outputs is not None:
+            _choice("outputs", self.outputs, OUTPUTS)
+        if not isinstance(self.reentrant, bool):
+            raise ValueError(f"reentrant must be True or False, got {self.reentrant!r}")
+        if self.reentrant and self.checkpointing != "every_block":
+            raise ValueError(f"reentrant=True is use_reentrant=True of torch.utils.checkpoint: expected checkpointing "
+                             f"'every_block' with it, got {self.checkpointing!r}")
+        options = self.optimizer_options
+        if isinstance(options, dict) or (isinstance(options, tuple) and all(
+                isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str) for pair in options)):
+            object.__setattr__(self, "optimizer_options", _frozen(dict(options)))
+        else:
+            raise ValueError(f"optimizer_options must be a dict of the optimizer's keyword arguments, got {options!r}")
         if self.optimizer == "adamw8bit" and self.optimizer_impl != "for-loop":
             raise ValueError("utils.AdamW8bit updates one tensor at a time: expected optimizer_impl 'for-loop' "
                              f"with optimizer 'adamw8bit', got {self.optimizer_impl!r}")
@@ -337,3 +392,7 @@ class TrainingSetup:
     def tokens(self) -> int:
         """Tokens per micro-batch per device."""
         return self.micro_batch * self.seq_len
+
+    def option(self, name: str, default: Any = None) -> Any:
+        """One of ``optimizer_options`` (``default`` when not given)."""
+        return dict(self.optimizer_options).get(name, default)

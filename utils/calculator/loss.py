@@ -1,5 +1,6 @@
 """The losses, replayed: a transformers causal LM's (``labels=``, your own on the logits, notebook 17's summed loss
-over the count) and the chunked loss (``utils.chunked_cross_entropy``, notebook 08), head and loss chunk by chunk."""
+over the count, and what the reader's loop keeps of the output) and the chunked loss
+(``utils.chunked_cross_entropy``, notebook 08), head and loss chunk by chunk."""
 
 from __future__ import annotations
 
@@ -128,71 +129,85 @@ class _ChunkedLoss:
         return backward
 
 
-class _HfLoss:
-    """Mixin of ``_Step``: the loss of a transformers causal LM, as ``TrainingSetup.loss`` says the step computes it.
+def transformers_step_begin(r) -> None:  # noqa: ANN001 - the replay
+    """What the step allocates before its first micro-batch: notebook 17's count of targets and running total."""
+    r.hf_last_loss = None
+    if r.setup.loss != "shifted-sum":
+        return
+    rows = r.setup.micro_batch * r.setup.accumulation_steps
+    valid = r.new(rows * (r.setup.seq_len - 1), 1, "temporaries", "labels[:, 1:] != -100")
+    r.hf_count = r.new(1, 8, "loss", "count of targets (.sum())")
+    r.rel(valid)
+    r.hf_total = r.new(1, 4, "loss", "running total (zeros(()))")
 
-    * ``"labels"``: ``model(..., labels=labels).loss`` (``ForCausalLMLoss``): ``logits.float()``, the labels
-      padded by one and shifted (a contiguous copy that ``nll_loss`` keeps), the mean over the targets;
-    * ``"logits"``: ``F.cross_entropy(model(...).logits.flatten(0, 1).float(), targets.flatten())``;
+
+def transformers_loss(r, micro: int, logits: _T, final: _T, cache: list[_T]) -> _T:  # noqa: ANN001
+    """The loss of a transformers causal LM on its (tokens, vocab) logits, as ``TrainingSetup.loss`` computes it,
+    and the output object as the reader's loop keeps it (``TrainingSetup.outputs``).
+
+    * ``"labels"``: ``model(..., labels=labels).loss`` (``ForCausalLMLoss``, inside the model's forward):
+      ``logits.float()``, the labels padded by one and shifted (a contiguous copy that ``nll_loss`` keeps), the
+      mean over the targets. Kept: ``outputs = model(...)`` holds the loss, the logits and the cache.
+    * ``"logits"``: ``F.cross_entropy(model(...).logits.flatten(0, 1).float(), targets.flatten())``. Kept:
+      ``logits = model(...).logits`` holds the logits (the rest of the output goes at once), and the ``loss``
+      variable its loss until the next loss replaces it.
     * ``"shifted-sum"``: notebook 17's ``train_step``: ``count = (labels[:, 1:] != -100).sum()`` and
       ``total = torch.zeros(())`` before the first micro-batch, then per micro-batch
       ``loss = F.cross_entropy(logits[:, :-1].flatten(0, -2), labels[:, 1:].flatten(), reduction="sum") / count``
       (the slice's ``flatten`` copies the logits but the last position; the division comes after the model's
       output is dropped), ``loss.backward()``, ``total += loss.detach()``; each ``loss`` lives until the next
-      one replaces it, the last (and ``count`` and ``total``) until the step returns.
+      one replaces it, the last (and ``count`` and ``total``) until the step returns. Kept: ``outputs = model(...)``
+      holds the logits and the cache.
+
+    ``final`` (the model's last hidden state, a local of its forward) goes when the forward returns. Phases:
+    ``m<i>.head`` holds the model's forward (and the ``labels=`` loss), ``m<i>.outputs`` the rebinding of the
+    loop's variable (the previous micro-batch's or step's outputs go), ``m<i>.loss`` the reader's own loss.
     """
-
-    def hf_step_begin(self) -> None:
-        """What the step allocates before its first micro-batch: notebook 17's count of targets and running total."""
-        self.hf_last_loss: _T | None = None
-        if self.setup.loss != "shifted-sum":
-            return
-        rows = self.setup.micro_batch * self.setup.accumulation_steps
-        valid = self.new(rows * (self.setup.seq_len - 1), 1, "temporaries", "labels[:, 1:] != -100")
-        self.hf_count = self.new(1, 8, "loss", "count of targets (.sum())")
-        self.rel(valid)
-        self.hf_total = self.new(1, 4, "loss", "running total (zeros(()))")
-
-    def hf_loss(self, logits: _T, output: list[_T | None]) -> _T:
-        """The loss on the (tokens, vocab) logits. ``output``: what the model's output object holds besides the
-        logits (the last hidden state, the cache's tensors), released where the reader's step drops it: after
-        the loss for ``labels=`` (computed inside the forward), before it for your own loss."""
-        n_tok, b, t = self.setup.tokens, self.setup.micro_batch, self.setup.seq_len
-        if self.setup.loss != "labels":               # forward returned: its locals (the last hidden state) go,
-            self.rel(output[0])                       # and with `.logits` taken, the output object (the cache)
-            if self.setup.loss == "logits":
-                self.rel(*output[1:])
-        if self.setup.loss == "shifted-sum":
-            rows = b * (t - 1)
-            n = self.node("SliceBackward logits[:, :-1]", [(logits, "alloc")])   # backward: zeros, then a copy
-            sliced = self.output(self.view(logits, rows * self.model.vocab_size), n)
-            n = self.node("CloneBackward .flatten(0, -2)", [(sliced, "pass")])  # not viewable: reshape copies
-            flat = self.output(self.new(sliced.numel, logits.item, "loss", "logits[:, :-1].flatten(0, -2)"), n)
-            self.rel(sliced)
-            targets = self.new(rows, 8, "loss", "labels[:, 1:].flatten()")
-            # autocast runs cross_entropy in float32: bf16 logits are cast first (a copy, freed with the call)
-            upcast = self.to_float(flat, "autocast's float32 logits") if self.autocast else self.view(flat)
-            summed = self.cross_entropy(upcast, rows, target=targets)
-            self.rel(upcast, flat, targets, *output[1:], logits)  # loss_sum returns: the output object goes
-            loss = self.div_scalar(summed, "loss / count")
-            self.rel(summed, self.hf_last_loss)          # `loss = ...` replaces the previous micro-batch's loss
-            self.hf_last_loss = loss
-            self.incref(loss.buf)
-            return loss
-        upcast = self.to_float(logits, "logits.float()")
-        if self.setup.loss == "labels":
-            padded = self.new(b * (t + 1), 8, "loss", "F.pad(labels, (0, 1))")
-            # labels[..., 1:].contiguous(): a copy, unless one sequence makes the slice contiguous already
-            shifted = self.new(n_tok, 8, "loss", "shift_labels (contiguous)") if b > 1 else self.view(padded, n_tok)
-            loss = self.cross_entropy(upcast, n_tok, target=shifted)
-            self.rel(padded, shifted, upcast, *output, logits)   # the output object goes after the forward
-        else:
-            loss = self.cross_entropy(upcast, n_tok)
-            self.rel(upcast, logits)
+    setup = r.setup
+    n_tok, b, t = setup.tokens, setup.micro_batch, setup.seq_len
+    keep = r.family.outputs(setup) != "dropped"
+    if setup.loss == "labels":
+        upcast = r.to_float(logits, "logits.float()")
+        padded = r.new(b * (t + 1), 8, "loss", "F.pad(labels, (0, 1))")
+        # labels[..., 1:].contiguous(): a copy, unless one sequence makes the slice contiguous already
+        shifted = r.new(n_tok, 8, "loss", "shift_labels (contiguous)") if b > 1 else r.view(padded, n_tok)
+        loss = r.cross_entropy(upcast, n_tok, target=shifted)
+        r.rel(padded, shifted, upcast, final)
+        r.set_phase(f"m{micro}.outputs")
+        if keep:                                   # outputs = model(...): the loss, the logits and the cache
+            r.hold("outputs", [loss, logits, *cache])
+        r.rel(*cache, logits)                      # the output object goes after the forward (or is held)
+        r.set_phase(f"m{micro}.loss")
         return loss
-
-    def hf_backward(self, micro: int, loss: _T) -> None:
-        """``(loss / accumulation_steps).backward()``, or notebook 17's ``loss.backward()`` (its loss already
-        divided by the count, and kept until the next micro-batch's replaces it)."""
-        shifted = self.setup.loss == "shifted-sum"
-        self.backward_loss(micro, loss, divide=self.setup.accumulation_steps > 1 and not shifted)
+    r.rel(final)                                   # the forward returned: its locals (the last hidden state) go
+    r.set_phase(f"m{micro}.outputs")
+    if keep:
+        r.hold("outputs", [logits] if setup.loss == "logits" else [logits, *cache])
+    if setup.loss == "logits":                     # `.logits` taken at once: the output object (the cache) goes
+        r.rel(*cache)
+    r.set_phase(f"m{micro}.loss")
+    if setup.loss == "shifted-sum":
+        rows = b * (t - 1)
+        n = r.node("SliceBackward logits[:, :-1]", [(logits, "alloc")])   # backward: zeros, then a copy
+        sliced = r.output(r.view(logits, rows * r.model.vocab_size), n)
+        n = r.node("CloneBackward .flatten(0, -2)", [(sliced, "pass")])  # not viewable: reshape copies
+        flat = r.output(r.new(sliced.numel, logits.item, "loss", "logits[:, :-1].flatten(0, -2)"), n)
+        r.rel(sliced)
+        targets = r.new(rows, 8, "loss", "labels[:, 1:].flatten()")
+        # autocast runs cross_entropy in float32: bf16 logits are cast first (a copy, freed with the call)
+        upcast = r.to_float(flat, "autocast's float32 logits") if r.autocast else r.view(flat)
+        summed = r.cross_entropy(upcast, rows, target=targets)
+        r.rel(upcast, flat, targets, *cache, logits)   # loss_sum returns: the output object goes (or is held)
+        r.set_phase(f"m{micro}.count")
+        loss = r.div_scalar(summed, "loss / count")
+        r.rel(summed, r.hf_last_loss)              # `loss = ...` replaces the previous micro-batch's loss
+        r.hf_last_loss = loss
+        r.incref(loss.buf)
+        return loss
+    upcast = r.to_float(logits, "logits.float()")
+    loss = r.cross_entropy(upcast, n_tok)
+    if keep:                                       # `loss = ...` replaces the previous loss only now
+        r.set_phase(f"m{micro}.lossvar")
+        r.hold("loss", [loss])
+    r.rel(upcast, logits)
+    return loss

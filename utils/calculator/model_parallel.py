@@ -4,7 +4,7 @@ Introduced in notebook 13 (model parallelism), whose ranks measure on the CPU wh
 bytes each rank holds, by category, when a model is split ``tp`` ways by tensor parallelism (the Megatron
 layout, optionally with sequence parallelism), into ``pp`` pipeline stages (GPipe or 1F1B, with its micro-batches
 in flight per stage), ``cp`` ways along the sequence (ring attention), and replicated or sharded over ``dp``
-data-parallel ranks (DDP, ZeRO-1, ZeRO-2 or FSDP, as ``dataparallel.py`` and ``optimizers.py`` shard them).
+data-parallel ranks (DDP, ZeRO-1, ZeRO-2 or FSDP, as ``data_parallel.py`` and ``optimizers.py`` shard them).
 
 What a model is here: its parameter tensors, each with the dimension tensor parallelism splits
 (``ParallelTensor``), and the shape of one layer's activations (``ParallelModel``). ``ParallelModel.from_config``
@@ -36,112 +36,19 @@ every weight until its backward (the single-GPU calculator's ``weight_copies``),
 
 from __future__ import annotations
 
+import argparse
 import functools
+import itertools
 import math
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
-from ..checks import positive_int
-from ..footprint import predict_optimizer_state_bytes
 from .config import TrainingSetup
-from .dataparallel import _shard_numel
-from .optimizers import ADAMW8BIT_CODEBOOKS
-
-SCHEDULES = ("gpipe", "1f1b")
-ZERO_STAGES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "fsdp"}     # the data-parallel strategies of TrainingSetup
-ZERO_LABELS = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "loss", "weight_copies", "comm_buffers",
-              "inputs")
-
-
-
-# --- the layout ------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """How the GPUs are used: ``dp · tp · pp · cp`` of them.
-
-    Attributes:
-        tp: tensor-parallel degree (the heads, the MLP's hidden units and the vocabulary split ``tp`` ways).
-        pp: pipeline stages (contiguous layers each; the embedding on the first, the final norm and head on the last).
-        cp: context-parallel degree (the sequence split ``cp`` ways inside attention: ring attention).
-        dp: data-parallel ranks, replicating (``zero=0``, DDP) or sharding (``zero`` 1, 2, 3 = FSDP) the model state.
-        zero: 0 (DDP), 1 (optimizer state sharded), 2 (and gradients), 3 (FSDP: parameters too).
-        sequence_parallel: with ``tp > 1``, the norms and residual stream split along the sequence.
-        schedule: ``"1f1b"`` or ``"gpipe"``.
-        micro_batches: micro-batches per step through the pipeline (None: ``pp``, the fewest 1F1B runs with).
-
-    Raises:
-        ValueError: non-positive degrees, an unknown ZeRO stage or schedule, fewer micro-batches than stages.
-    """
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    dp: int = 1
-    zero: int = 0
-    sequence_parallel: bool = True
-    schedule: str = "1f1b"
-    micro_batches: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp", "dp"):
-            positive_int(name, getattr(self, name))
-        if self.zero not in ZERO_STAGES:
-            raise ValueError(f"zero must be one of {tuple(ZERO_STAGES)}: expected 0 (DDP), 1 or 2 (ZeRO) or 3 (FSDP), "
-                             f"got {self.zero!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if not isinstance(self.sequence_parallel, bool):
-            raise ValueError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
-        if self.micro_batches is not None:
-            positive_int("micro_batches", self.micro_batches)
-            if self.schedule == "1f1b" and self.micro_batches < self.pp:
-                raise ValueError(f"{self.micro_batches} micro-batches for {self.pp} stages: 1F1B expects at least as "
-                                 f"many micro-batches as stages (expected >= {self.pp})")
-
-    @property
-    def gpus(self) -> int:
-        """dp · tp · pp · cp."""
-        return self.dp * self.tp * self.pp * self.cp
-
-    @property
-    def m(self) -> int:
-        """Micro-batches per step."""
-        return self.micro_batches if self.micro_batches is not None else self.pp
-
-    @property
-    def strategy(self) -> str:
-        """The data-parallel part as ``TrainingSetup.strategy`` names it (``"single"`` with one replica)."""
-        return ZERO_STAGES[self.zero] if self.dp > 1 else "single"
-
-    def label(self) -> str:
-        """e.g. ``dp2 (ZeRO-1) × tp8 × pp4 × cp2``."""
-        parts = [f"dp{self.dp} ({ZERO_LABELS[self.zero]})"] if self.dp > 1 else []
-        parts += [f"{name}{degree}" for name, degree in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp))
-                  if degree > 1]
-        return " × ".join(parts) or "one GPU"
-
-
-def layout_for_world(world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, zero: int = 0,
-                     **options: Any) -> ParallelLayout:
-    """The layout of ``world_size`` GPUs with these model-parallel degrees; data parallelism takes the rest.
-
-    Raises:
-        ValueError: a world size that ``tp · pp · cp`` does not divide (the message lists the sizes that would).
-    """
-    positive_int("world_size", world_size)
-    model_parallel = positive_int("tp", tp) * positive_int("pp", pp) * positive_int("cp", cp)
-    if world_size % model_parallel:
-        options_text = ", ".join(str(model_parallel * k) for k in range(1, 5))
-        raise ValueError(f"a world of {world_size} GPUs cannot be made of tp·pp·cp = {tp}·{pp}·{cp} = "
-                         f"{model_parallel}-GPU replicas: expected a world size divisible by {model_parallel} "
-                         f"(e.g. {options_text})")
-    return ParallelLayout(tp=tp, pp=pp, cp=cp, dp=world_size // model_parallel, zero=zero, **options)
-
-
-from .parallel_model import ParallelModel, ParallelTensor, as_parallel_model  # noqa: E402,F401  (re-exported)
-from .parallel_model import DESIGNS, _COLUMN, _ROW, _VOCAB, _inside_block, _places, _tp_dim_by_name  # noqa: E402,F401,E501  (re-exported)
+from .optimizers import ADAMW8BIT_CODEBOOKS, state_bytes
+from .parallel_layout import (CATEGORIES, SCHEDULES, ZERO_LABELS, ZERO_STAGES, ParallelBreakdown,  # noqa: F401
+                              ParallelLayout, StageBytes, bubble_fraction, layout_for_world,
+                              micro_batches_in_flight, stage_layers)
+from .parallel_tensors import ParallelModel, ParallelTensor, as_parallel_model  # noqa: F401  (notebook 13's names)
+from .replay import _shard_numel
 
 # --- checks ------------------------------------------------------------------------------------------------------
 
@@ -188,93 +95,6 @@ def check_layout(model: ParallelModel, setup: TrainingSetup, layout: ParallelLay
                          "instead): expected chunked_loss=0")
 
 
-# --- the prediction --------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class StageBytes:
-    """One pipeline stage's GPU: its layers, micro-batches in flight at the peak, and bytes by category.
-
-    ``one_micro_batch_activations`` is what one micro-batch leaves saved for backward on this stage: its layers'
-    activations (less the batch itself on the first stage of a model without an embedding) and, on the last
-    stage, the loss's input; the stage keeps ``in_flight`` of them at its peak (``activations`` + ``loss``).
-    """
-
-    stage: int
-    layers: tuple[int, ...]
-    in_flight: int
-    terms: dict[str, int]
-    one_micro_batch_activations: int
-
-    @property
-    def total(self) -> int:
-        """The sum of the terms."""
-        return sum(self.terms.values())
-
-
-@dataclass(frozen=True)
-class ParallelBreakdown:
-    """What ``predict_parallel`` returns.
-
-    Attributes:
-        model, setup, layout: what was predicted.
-        stages: every stage's ``StageBytes`` (a GPU of that stage, any tensor-, context- or data-parallel rank).
-        busiest: the stage whose GPU needs the most.
-        details: per-layer figures the notebook compares with its ranks: ``"layer activations"`` (one layer, one
-            micro-batch, by kind: replicated, sharded, seq_sharded, gathered), ``"keys and values per layer"``.
-    """
-
-    model: ParallelModel
-    setup: TrainingSetup
-    layout: ParallelLayout
-    stages: tuple[StageBytes, ...]
-    details: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def busiest(self) -> StageBytes:
-        """The stage with the largest total (the first of equals)."""
-        return max(self.stages, key=lambda stage: (stage.total, -stage.stage))
-
-    @property
-    def total(self) -> int:
-        """Bytes on the busiest GPU."""
-        return self.busiest.total
-
-    def terms(self) -> dict[str, int]:
-        """The busiest GPU's bytes by category."""
-        return dict(self.busiest.terms)
-
-    def fits(self, device_bytes: float) -> bool:
-        """Whether the busiest GPU needs at most ``device_bytes``."""
-        return self.total <= device_bytes
-
-
-def stage_layers(layers: int, pp: int) -> list[tuple[int, ...]]:
-    """The layers of each stage: contiguous, as even as possible, the later stages taking the remainder."""
-    positive_int("layers", layers)
-    positive_int("pp", pp)
-    if pp > layers:
-        raise ValueError(f"{pp} pipeline stages for {layers} layers: expected at most one stage per layer")
-    return [tuple(range(layers * s // pp, layers * (s + 1) // pp)) for s in range(pp)]
-
-
-def micro_batches_in_flight(stage: int, stages: int, micro_batches: int, schedule: str = "1f1b") -> int:
-    """Micro-batches whose activations a stage holds at its peak: GPipe all ``m``; 1F1B ``min(m, p − stage)``."""
-    positive_int("stages", stages)
-    positive_int("micro_batches", micro_batches)
-    if not 0 <= stage < stages:
-        raise ValueError(f"stage must be in 0..{stages - 1}, got {stage!r}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    return micro_batches if schedule == "gpipe" else min(micro_batches, stages - stage)
-
-
-def bubble_fraction(stages: int, micro_batches: int) -> float:
-    """The idle fraction of GPipe and 1F1B with equal forward and backward times: (p − 1) / (m + p − 1)."""
-    positive_int("stages", stages)
-    positive_int("micro_batches", micro_batches)
-    return (stages - 1) / (micro_batches + stages - 1)
-
-
 def layer_activation_bytes(model: ParallelModel, setup: TrainingSetup, layout: ParallelLayout) -> dict[str, int]:
     """Bytes one layer keeps for backward for one micro-batch on one rank, by where they live.
 
@@ -313,7 +133,7 @@ def _local_shape(tensor: ParallelTensor, tp: int) -> tuple[int, ...]:
 
 def _optimizer_bytes(shapes: Sequence[tuple[int, ...]], setup: TrainingSetup) -> tuple[int, int]:
     """(per-element state bytes, step counters' bytes) of torch.optim for these tensors, as optimizers.py counts."""
-    total = predict_optimizer_state_bytes(shapes, setup.optimizer)
+    total = state_bytes(list(shapes), setup.optimizer)
     steps = 4 * len(shapes) if setup.optimizer in ("adam", "adamw", "adafactor") else 0
     elements = total - steps
     if setup.precision == "bf16" and setup.optimizer != "adamw8bit":
@@ -339,7 +159,7 @@ def _group_state(shapes: tuple[tuple[int, ...], ...], setup: TrainingSetup, dp: 
 
 def _model_state(groups: Sequence[Sequence[ParallelTensor]], setup: TrainingSetup,
                  layout: ParallelLayout) -> dict[str, int]:
-    """Parameters, gradients, optimizer state of one GPU's tensors: tp shards, then ``dataparallel``'s ZeRO rules
+    """Parameters, gradients, optimizer state of one GPU's tensors: tp shards, then ``data_parallel``'s ZeRO rules
     (FSDP2's padded dim-0 shards, ZeRO-2's flat gradient partitions, ZeRO-1/2's flat 1/N of the optimizer state)."""
     totals = [0, 0, 0, 0]
     for group in groups:
@@ -432,5 +252,120 @@ def predict_parallel(model: Any, setup: TrainingSetup, layout: ParallelLayout) -
     return ParallelBreakdown(model=model, setup=setup, layout=layout, stages=tuple(stages), details=details)
 
 
-from .model_parallel_cli import add_arguments, candidate_layouts, format_parallel, run, smallest_fitting_layout  # noqa: E402,F401,E501
-from .model_parallel_cli import wants_model_parallel  # noqa: E402,F401
+# --- searching and printing ----------------------------------------------------------------------------------------
+
+def candidate_layouts(max_gpus: int = 4096, tp_degrees: Sequence[int] = (1, 2, 4, 8),
+                      pp_degrees: Sequence[int] = (1, 2, 4, 8, 16), cp_degrees: Sequence[int] = (1, 2, 4),
+                      zero_stages: Sequence[int] = (0, 1, 3), **options: Any) -> list[ParallelLayout]:
+    """Every layout with power-of-two data-parallel degrees up to ``max_gpus`` GPUs (tp within one 8-GPU node)."""
+    layouts = []
+    for tp, pp, cp, zero in itertools.product(tp_degrees, pp_degrees, cp_degrees, zero_stages):
+        dp = 1
+        while dp * tp * pp * cp <= max_gpus:
+            if zero == 0 or dp > 1:
+                layouts.append(ParallelLayout(tp=tp, pp=pp, cp=cp, dp=dp, zero=zero, **options))
+            dp *= 2
+    return layouts
+
+
+def smallest_fitting_layout(model: Any, setup: TrainingSetup, device_bytes: float, *,
+                            layouts: Iterable[ParallelLayout] | None = None) -> ParallelBreakdown | None:
+    """The layout with the fewest GPUs whose busiest GPU fits ``device_bytes`` (ties: the least memory per GPU).
+
+    Layouts the model or the sequence cannot be split into are skipped; None when nothing fits.
+    """
+    model = as_parallel_model(model)
+    by_gpus: dict[int, list[ParallelLayout]] = {}
+    for layout in layouts if layouts is not None else candidate_layouts():
+        by_gpus.setdefault(layout.gpus, []).append(layout)
+    for gpus in sorted(by_gpus):                 # the fewest GPUs first: stop at the first count where one fits
+        fitting = []
+        for layout in by_gpus[gpus]:
+            try:
+                breakdown = predict_parallel(model, setup, layout)
+            except ValueError:
+                continue
+            if breakdown.fits(device_bytes):
+                fitting.append(breakdown)
+        if fitting:
+            return min(fitting, key=lambda breakdown: breakdown.total)
+    return None
+
+
+TERM_LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
+               "activations": "activations (in flight)", "loss": "loss and logits", "weight_copies": "bf16 weight copies",
+               "comm_buffers": "gathered layers / buckets", "inputs": "batch"}
+
+
+def format_parallel(breakdown: ParallelBreakdown, device_bytes: float | None = None) -> str:
+    """A table: each stage's GPU by category, in GB (10^9 bytes), and the fit verdict."""
+    layout, setup = breakdown.layout, breakdown.setup
+    lines = [f"{breakdown.model.name}: {layout.label()} = {layout.gpus} GPUs; {layout.schedule} with {layout.m} "
+             f"micro-batches of {setup.micro_batch} x {setup.seq_len} tokens; {setup.precision}, {setup.optimizer}, "
+             f"checkpointing {setup.checkpointing}"
+             + ("; sequence parallel" if layout.tp > 1 and layout.sequence_parallel else ""),
+             f"{'stage':<28}" + "".join(f"{stage.stage:>10}" for stage in breakdown.stages)]
+    for key, label in TERM_LABELS.items():
+        lines.append(f"{label:<28}" + "".join(f"{stage.terms[key] / 1e9:>10.2f}" for stage in breakdown.stages))
+    lines.append(f"{'total (GB per GPU)':<28}" + "".join(f"{stage.total / 1e9:>10.2f}" for stage in breakdown.stages))
+    lines.append(f"{'micro-batches in flight':<28}" + "".join(f"{stage.in_flight:>10}" for stage in breakdown.stages))
+    busiest = breakdown.busiest
+    verdict = f"busiest GPU: stage {busiest.stage}, {busiest.total / 1e9:.2f} GB"
+    if device_bytes:
+        verdict += f" of {device_bytes / 1e9:.0f} GB: {'fits' if breakdown.fits(device_bytes) else 'does not fit'}"
+    lines.append(verdict + f"; pipeline bubble {breakdown.details['bubble']:.1%}")
+    return "\n".join(lines)
+
+
+# --- the command line (wired into python -m utils.calculator) -------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--tp --pp --cp --dp --zero --schedule --micro-batches --no-sequence-parallel`` to the calculator's parser."""
+    group = parser.add_argument_group("model parallelism (any of these switches to the per-stage prediction)")
+    group.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    group.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    group.add_argument("--cp", type=int, default=1, help="context-parallel degree (default 1)")
+    group.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
+    group.add_argument("--zero", type=int, choices=sorted(ZERO_STAGES), default=0,
+                       help="with --dp: 0 DDP, 1 ZeRO-1, 2 ZeRO-2, 3 FSDP (default 0)")
+    group.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
+    group.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default: --pp)")
+    group.add_argument("--no-sequence-parallel", action="store_true",
+                       help="with --tp: keep the norms and residual stream whole on every rank")
+
+
+def wants_model_parallel(args: argparse.Namespace) -> bool:
+    """Whether the command line asked for any model-parallel flag (``cli.main`` then calls ``run``)."""
+    return (args.tp, args.pp, args.cp, args.dp, args.zero, args.schedule, args.micro_batches,
+            args.no_sequence_parallel) != (1, 1, 1, 1, 0, "1f1b", None, False)
+
+
+def run(args: argparse.Namespace) -> str:
+    """The report of ``python -m utils.calculator ... --tp/--pp/--cp/--dp``: the per-stage table and the verdict.
+
+    Uses the calculator's own flags for the model (``--hf-config``, ``--preset`` or a shape) and the training
+    set-up (``--micro-batch``, ``--seq-len``, ``--precision``, ``--optimizer``, ``--impl``, ``--checkpointing``,
+    ``--device``, ``--device-gb``); data parallelism is ``--dp`` and ``--zero``, not ``--strategy``/``--ranks``.
+
+    Raises:
+        ValueError: a layout or set-up this module refuses (``cli.main`` turns it into a usage error).
+    """
+    from .presets import model_from_args
+    if getattr(args, "strategy", "single") != "single" or getattr(args, "ranks", 1) != 1:
+        raise ValueError("with --tp/--pp/--cp/--dp, data parallelism is --dp and --zero: expected no --strategy or "
+                         "--ranks")
+
+    class _Refuse:
+        @staticmethod
+        def error(message: str) -> None:
+            raise ValueError(message)
+
+    model = model_from_args(args, _Refuse().error)
+    impl = getattr(args, "impl", None) or ("for-loop" if args.optimizer == "adamw8bit" else "foreach")
+    setup = TrainingSetup(micro_batch=args.micro_batch, seq_len=args.seq_len, precision=args.precision,
+                          optimizer=args.optimizer, optimizer_impl=impl, checkpointing=args.checkpointing,
+                          device=args.device)
+    layout = ParallelLayout(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, zero=args.zero, schedule=args.schedule,
+                            micro_batches=args.micro_batches, sequence_parallel=not args.no_sequence_parallel)
+    device_bytes = args.device_gb * 1e9 if getattr(args, "device_gb", 0) else None
+    return format_parallel(predict_parallel(model, setup, layout), device_bytes)

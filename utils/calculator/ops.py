@@ -225,3 +225,23 @@ class _Ops(_Replay):
         copied where it arrives in a layout the producer's reshape cannot view (``copy_grad``)."""
         n = self.node(f"CloneBackward {label}", [(x, "alloc" if copy_grad else "pass")])
         return self.output(self.new(x.numel, x.item, "activations", label), n)
+
+    def repeat_interleave(self, x: _T, n_rep: int, label: str) -> _T:
+        """``x.repeat_interleave(n_rep, dim=-3)``: a copy with every key/value head repeated; backward sums them."""
+        n = self.node(f"RepeatInterleaveBackward {label}", [(x, "alloc")])
+        return self.output(self.new(x.numel * n_rep, x.item, "activations", label), n)
+
+    def slice_view(self, x: _T, numel: int, label: str) -> _T:
+        """``x[..., a:b]``: a view of ``numel`` elements; its backward writes the gradient into zeros of x's size."""
+        n = self.node(f"SliceBackward {label}", [(x, "alloc")])
+        return self.output(self.view(x, numel), n)
+
+    def chunk2(self, x: _T, label: str) -> tuple[_T, _T]:
+        """``x.chunk(2, dim=-1)``: two views; backward concatenates their gradients (``cat``)."""
+        n = self.node(f"SplitBackward {label}", [(x, "alloc")], slots=2)
+        parts = [self.output(self.view(x, x.numel // 2), n, slot) for slot in range(2)]
+        if n is not None:
+            def cat(r: _Replay, node: _Node, incoming: list) -> list:
+                return [r.new(x.numel, x.item, "temporaries", f"cat {label}")]
+            n.custom = cat
+        return parts[0], parts[1]

@@ -4,25 +4,55 @@ from __future__ import annotations
 
 import math
 
+from typing import Any
+
+from . import registry
 from .config import ModelConfig, TrainingSetup
-from .replay import _Leaf, _Replay, _T, _shard_numel
-from .shapes import parameter_shapes
+from .replay import _Leaf, _Replay, _T
+
+def state_bytes(shapes: list[tuple[int, ...]], optimizer: str, block_size: int = 256) -> int:
+    """Bytes of optimizer state for trainable tensors of these shapes, in fp32 (``utils.predict_optimizer_state_bytes``
+    without torch): SGD none; momentum ``n``; Adam(W) ``2n`` and a 0-dim ``step``; Adafactor a factored second
+    moment (``row_var``, ``col_var``) or, for a vector, a full one, and a ``step``; ``utils.AdamW8bit`` two uint8
+    moments and an fp32 scale per ``block_size`` elements of each."""
+    total = 0
+    for dims in shapes:
+        numel = math.prod(dims)
+        if optimizer == "sgd_momentum":
+            total += 4 * numel
+        elif optimizer in ("adam", "adamw"):
+            total += 8 * numel + 4
+        elif optimizer == "adafactor":
+            if len(dims) > 1:
+                total += 4 * (math.prod(dims[:-1]) + math.prod(dims[:-2]) * dims[-1]) + 4
+            else:
+                total += 4 * numel + 4
+        elif optimizer == "adamw8bit":
+            total += 2 * numel + 2 * 4 * math.ceil(numel / block_size)
+    return total
+
 
 def _optimizer_state_bytes(model: ModelConfig, setup: TrainingSetup, ranks: int = 1) -> int:
-    """Bytes of optimizer state on one device (of every tensor's FSDP shard when ``ranks`` > 1)."""
-    from ..footprint import predict_optimizer_state_bytes
+    """Bytes of optimizer state on one device (of every tensor's FSDP shard when ``ranks`` > 1).
 
-    shapes = [shape for _, shape, trainable in parameter_shapes(model, setup) if trainable]
+    torch.optim keeps its state in each parameter's dtype (peft's LoRA adapters stay float32 on a bf16 model, and
+    so does their state); ``utils.AdamW8bit``'s is uint8 codes and fp32 scales whatever the parameter's."""
+    family = registry.family_of(model.arch)
+    trainable = [(name, shape) for name, shape, trains in family.parameter_shapes(model, setup) if trains]
     if setup.bf16_rounding != "nearest":       # utils.lowbit.AdamWBF16: m, v (and Kahan's c) in bf16, no step tensor
-        return (3 if setup.bf16_rounding == "kahan" else 2) * 2 * sum(math.prod(shape) for shape in shapes)
-    if ranks > 1:
-        shapes = [(math.ceil(shape[0] / ranks),) + tuple(shape[1:]) for shape in shapes]
-    total = predict_optimizer_state_bytes(shapes, setup.optimizer)
-    steps = 4 * len(shapes) if setup.optimizer in ("adam", "adamw", "adafactor") else 0
-    elements = total - steps
-    if setup.precision == "bf16" and setup.optimizer != "adamw8bit" and not (model.is_hf and setup.lora_rank):
-        # (peft keeps LoRA's adapters, and so their state, in float32 on a bf16 model)
-        elements //= 2                          # torch.optim keeps its state in the parameters' dtype
+        return (3 if setup.bf16_rounding == "kahan" else 2) * 2 * sum(math.prod(shape) for _, shape in trainable)
+    elements = steps = 0
+    for name, shape in trainable:
+        if ranks > 1:
+            shape = (math.ceil(shape[0] / ranks),) + tuple(shape[1:])
+        total = state_bytes([shape], setup.optimizer)
+        step = 4 if setup.optimizer in ("adam", "adamw", "adafactor") else 0
+        item = family.leaf_item(name, setup)
+        per_element = total - step
+        if setup.optimizer != "adamw8bit":
+            per_element = per_element * item // 4   # torch.optim keeps its state in the parameter's dtype
+        elements += per_element
+        steps += step
     if setup.device == "cuda" and setup.optimizer_impl != "fused":
         steps = 0                                # torch.optim keeps `step` on the host unless fused or capturable
     codebooks = 4 * sum(ADAMW8BIT_CODEBOOKS) if setup.optimizer == "adamw8bit" else 0   # kept on the optimizer
@@ -43,7 +73,7 @@ def _optimizer_state_per_rank(model: ModelConfig, setup: TrainingSetup) -> int:
     if setup.strategy == "fsdp":
         return _optimizer_state_bytes(model, setup, ranks=setup.ranks)
     total = _optimizer_state_bytes(model, setup)
-    tensors = sum(1 for _, _, trainable in parameter_shapes(model, setup) if trainable)
+    tensors = sum(1 for _, _, trainable in registry.family_of(model.arch).parameter_shapes(model, setup) if trainable)
     steps = 4 * tensors if (setup.optimizer in ("adam", "adamw", "adafactor")
                             and (setup.device == "cpu" or setup.optimizer_impl == "fused")) else 0
     codebooks = 4 * sum(ADAMW8BIT_CODEBOOKS) if setup.optimizer == "adamw8bit" else 0
@@ -67,8 +97,6 @@ def _optimizer_temporaries(r: _Replay, leaves: list[_Leaf], setup: TrainingSetup
     opt, impl = setup.optimizer, setup.optimizer_impl
     host_scalars = r.device == "cpu"            # torch.tensor(1.0) for CPU step counters
     if setup.bf16_rounding != "nearest":
-        from .lowbit import adamw_bf16_temporaries
-
         adamw_bf16_temporaries(r, leaves, setup.bf16_rounding)
         return
     if impl == "fused" or opt in ("sgd", "sgd_momentum"):
@@ -194,3 +222,127 @@ def _adafactor_foreach(r: _Replay, leaves: list[_Leaf], host_scalars: bool) -> N
         for leaf in members:
             r.rel(r.new(1, leaf.item, "temporaries", "update.norm()"))
     r.rel(*reversed(updates))
+
+
+def adamw_bf16_temporaries(r: _Replay, leaves: list, rounding: str) -> None:
+    """``utils.lowbit.AdamWBF16.step``, one parameter at a time: fp32 temporaries, some living on to the next.
+
+    The loop's locals (``grad``, ``m``, ``v``, ``update``) are rebound per parameter, so each one of the
+    previous parameter is freed only when its successor exists.
+    """
+    grad = m = v = update = None
+    for leaf in leaves:
+        n, item = leaf.numel, leaf.item
+
+        def f32(label: str) -> _T | None:               # .float() of a bf16 tensor: a copy (of fp32: itself)
+            return r.new(n, 4, "temporaries", label) if item != 4 else None
+
+        new = r.new(n, 4, "temporaries", "grad.float()") if item != 4 else None
+        r.rel(grad)
+        grad = new
+        for name in ("m", "v"):                           # s[name].float().lerp_(...) / .mul_().addcmul_()
+            new = f32(f"{name}.float()")
+            if name == "m":
+                r.rel(m)
+                m = new
+            else:
+                r.rel(v)
+                v = new
+        a = r.new(n, 4, "temporaries", "m / bias_correction1")
+        scaled = r.new(n, 4, "temporaries", "-lr * m_hat")
+        r.rel(a)
+        c = r.new(n, 4, "temporaries", "v / bias_correction2")
+        root = r.new(n, 4, "temporaries", "sqrt()")
+        r.rel(c)
+        denom = r.new(n, 4, "temporaries", "+ eps")
+        r.rel(root)
+        new = r.new(n, 4, "temporaries", "update")
+        r.rel(scaled, denom, update)
+        update = new
+        weights = f32("p.float()")                        # update -= lr * weight_decay * p.float()
+        decay = r.new(n, 4, "temporaries", "lr * weight_decay * p")
+        r.rel(weights, decay)
+        if rounding == "kahan":                           # add_kahan_(p, update, c)
+            weights = f32("weight.float()")
+            comp = f32("compensation.float()")
+            total = r.new(n, 4, "temporaries", "update + compensation")
+            r.rel(comp)
+            exact = r.new(n, 4, "temporaries", "exact")
+            r.rel(weights, total)
+            weights = f32("weight.float()")
+            rest = r.new(n, 4, "temporaries", "exact - weight")
+            r.rel(weights, rest, exact)
+        else:
+            weights = f32("p.float()")
+            exact = r.new(n, 4, "temporaries", "p + update")
+            r.rel(weights)
+            if rounding == "stochastic":                  # round_stochastic(exact)
+                noise = r.new(n, 4, "temporaries", "noise")
+                summed = r.new(n, 4, "temporaries", "bits + noise")
+                cut = r.new(n, 4, "temporaries", "& -65536")
+                r.rel(summed)
+                rounded = r.new(n, 2, "temporaries", ".to(bfloat16)")
+                r.rel(cut, noise, exact, rounded)
+            else:
+                r.rel(exact)
+    r.rel(grad, m, v, update)
+
+
+# torch.optim's (and utils.AdamW8bit's) constructor arguments: what each does to training memory
+_NO_EFFECT = {"lr": "a number the update multiplies by", "betas": "numbers the moments decay by",
+              "eps": "a number added in place", "dampening": "SGD's momentum scales in place",
+              "beta2_decay": "Adafactor's decay schedule, a number", "d": "Adafactor's clipping threshold, a number"}
+OPTIMIZER_OPTIONS: dict[str, dict[str, Any]] = {
+    # optimizer -> {"replayed": {name: how}, "no_effect": {name: why}, "refused": {name: default}}
+    "sgd": {"replayed": {"momentum": "0 (with momentum: optimizer 'sgd_momentum')",
+                         "foreach": "optimizer_impl", "fused": "optimizer_impl"},
+            "no_effect": {k: _NO_EFFECT[k] for k in ("lr", "dampening")},
+            "refused": {"weight_decay": 0, "nesterov": False, "maximize": False, "differentiable": False}},
+    "adam": {"replayed": {"foreach": "optimizer_impl", "fused": "optimizer_impl"},
+             "no_effect": {k: _NO_EFFECT[k] for k in ("lr", "betas", "eps")} | {
+                 "decoupled_weight_decay": "with it, weight decay multiplies the weights in place (AdamW)"},
+             "refused": {"weight_decay": 0, "amsgrad": False, "maximize": False, "capturable": False,
+                         "differentiable": False}},
+    "adamw": {"replayed": {"foreach": "optimizer_impl", "fused": "optimizer_impl"},
+              "no_effect": {k: _NO_EFFECT[k] for k in ("lr", "betas", "eps")} | {
+                  "weight_decay": "AdamW multiplies the weights in place", "decoupled_weight_decay": "always on"},
+              "refused": {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}},
+    "adafactor": {"replayed": {"foreach": "optimizer_impl"},
+                  "no_effect": {k: _NO_EFFECT[k] for k in ("lr", "beta2_decay", "eps", "d")} | {
+                      "weight_decay": "Adafactor multiplies the weights in place"},
+                  "refused": {"maximize": False}},
+    "adamw8bit": {"replayed": {},
+                  "no_effect": {k: _NO_EFFECT[k] for k in ("lr", "betas", "eps")} | {
+                      "weight_decay": "utils.AdamW8bit multiplies the weights in place"},
+                  "refused": {"block_size": ADAMW8BIT_BLOCK}},
+}
+OPTIMIZER_OPTIONS["sgd_momentum"] = {**OPTIMIZER_OPTIONS["sgd"],
+                                     "replayed": {**OPTIMIZER_OPTIONS["sgd"]["replayed"],
+                                                  "momentum": "> 0 (optimizer 'sgd_momentum')"}}
+
+
+def check_optimizer_options(setup: TrainingSetup) -> None:
+    """Refuse an optimizer option that changes memory in a way the replay does not model, or contradicts the set-up.
+
+    Raises:
+        ValueError: naming the option, its value and what was expected.
+    """
+    rules = OPTIMIZER_OPTIONS[setup.optimizer]
+    for name, value in setup.optimizer_options:
+        if name in rules["refused"]:
+            if value != rules["refused"][name]:
+                raise ValueError(f"optimizer option {name}={value!r} is not modelled (it changes what "
+                                 f"{setup.optimizer}'s step allocates): expected {rules['refused'][name]!r}")
+        elif name in ("foreach", "fused"):
+            if value and setup.optimizer_impl != name or (value is False and setup.optimizer_impl == name):
+                raise ValueError(f"optimizer option {name}={value!r} contradicts optimizer_impl "
+                                 f"{setup.optimizer_impl!r}: expected optimizer_impl {name!r} with {name}=True")
+        elif name == "momentum":
+            wanted = "sgd_momentum" if value else "sgd"
+            if setup.optimizer != wanted:
+                raise ValueError(f"optimizer option momentum={value!r} is optimizer {wanted!r}: expected "
+                                 f"optimizer={wanted!r}, got {setup.optimizer!r}")
+        elif name not in rules["no_effect"]:
+            known = sorted({*rules["replayed"], *rules["no_effect"], *rules["refused"]})
+            raise ValueError(f"optimizer option {name!r} is not an argument of {setup.optimizer} the calculator "
+                             f"knows: expected one of {known}")

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import functools
+
 from ..checks import positive_int
+from . import registry
 from .config import KINDS, ModelConfig, TrainingSetup
-from .lowbit import _LowBitStep, check_lowbit, lowbit_notes, lowbit_on
+from .fewer_bits import _LowBitStep, check_lowbit, lowbit_notes, lowbit_on
+from .layer_reuse import StepResult, replay
+from .optimizers import check_optimizer_options
 from .shapes import count_parameters
 from .step import _Step
 
@@ -46,7 +51,7 @@ class MemoryBreakdown:
         largest: term -> its largest value during the step, bytes.
         num_parameters: parameter elements (adapters included); trainable_parameters: those that train.
         notes: what the replay models without measuring, or does not replay, for the set-up's fewer-bits
-            options (``calculator/lowbit.py``); empty otherwise.
+            options (``calculator/fewer_bits.py``); empty otherwise.
     """
 
     model: ModelConfig
@@ -85,8 +90,13 @@ class MemoryBreakdown:
 def _phase_label(phase: str, setup: TrainingSetup) -> str:
     if phase in ("optimizer", "end"):
         return "optimizer step"
+    if phase in ("init", "start"):
+        return "before the step"
     micro, _, where = phase.partition(".")
-    names = {"embed": "forward, embeddings", "head": "forward, loss", "exit": "forward, leaving autocast",
+    names = {"embed": "forward, embeddings", "cache": "forward, embeddings", "head": "forward, loss",
+             "outputs": "forward, loss",
+             "loss": "forward, your loss", "lossvar": "forward, your loss", "count": "forward, your loss",
+             "exit": "forward, leaving autocast",
              "bloss": "backward, loss"}
     if where in names:
         text = names[where]
@@ -102,49 +112,26 @@ def _phase_label(phase: str, setup: TrainingSetup) -> str:
     return text
 
 
-def _check_design(model: ModelConfig, setup: TrainingSetup) -> None:
-    """What each design models: transformers' options need a transformers model, and the other way round."""
-    if not model.is_hf:
-        given = [name for name, on in (("padded", setup.padded), ("lora_dropout", setup.lora_dropout > 0),
-                                       ("lora_targets as module names", isinstance(setup.lora_targets, tuple)))
-                 if on]
-        if given:
-            raise ValueError(f"{', '.join(given)}: modelled for transformers' designs (predict_hf); the course's "
-                             f"design {model.arch!r} has no attention mask, LoRA dropout or peft module names")
-        if setup.kbit_prepared:
-            raise ValueError("kbit_prepared is peft's prepare_model_for_kbit_training, for transformers' models: "
-                             "expected a transformers config (predict_hf, --hf-config)")
-        check_lowbit(model, setup)
-        return
-    if setup.chunked_loss:
-        raise ValueError("a chunked loss is modelled for the course's designs: transformers' models compute their "
-                         "loss on the whole logits (expected chunked_loss=0)")
-    if setup.checkpointing == "selective":
-        raise ValueError("transformers' gradient_checkpointing_enable() checkpoints whole layers: expected "
-                         "checkpointing 'none' or 'every_block' for a transformers model")
-    if model.arch == "hf-llama":
-        from .hf_llama import hf_lora_targets
-
-        hf_lora_targets(model, setup)              # a target that names no module fails here, before any work
-        check_lowbit(model, setup)
-    else:
-        from .hf_gpt2 import gpt2_lora_targets
-
-        gpt2_lora_targets(model, setup)
-
-
-def _replay(model: ModelConfig, setup: TrainingSetup, trace: bool = False) -> _Step:
+def check(model: ModelConfig, setup: TrainingSetup) -> None:
+    """Refuse, before any work, what the model's family or the engine does not model (each message names it)."""
     if not isinstance(model, ModelConfig):
         raise TypeError(f"model must be a ModelConfig, got {type(model).__name__}")
     if not isinstance(setup, TrainingSetup):
         raise TypeError(f"setup must be a TrainingSetup, got {type(setup).__name__}")
-    if model.arch == "gpt" and setup.seq_len > model.max_seq_len:
-        raise ValueError(f"seq_len {setup.seq_len} exceeds the model's position table (max_seq_len "
-                         f"{model.max_seq_len}): expected seq_len <= {model.max_seq_len}")
-    _check_design(model, setup)
-    if setup.strategy == "fsdp" and model.num_layers < 1:  # pragma: no cover - num_layers is positive
-        raise ValueError("FSDP shards per block: expected at least one block")
-    return (_LowBitStep if lowbit_on(setup) else _Step)(model, setup, trace).run()
+    registry.family_of(model.arch).check_setup(model, setup)
+    check_lowbit(model, setup)
+    check_optimizer_options(setup)
+
+
+def _replay(model: ModelConfig, setup: TrainingSetup, trace: bool = False) -> StepResult:
+    """The replayed step (checked first), cached: a question asked twice is answered once."""
+    check(model, setup)
+    return _cached_replay(model, setup, trace)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_replay(model: ModelConfig, setup: TrainingSetup, trace: bool) -> StepResult:
+    return replay(model, setup, _LowBitStep if lowbit_on(setup) else _Step, trace)
 
 
 def predict(model: ModelConfig, setup: TrainingSetup) -> MemoryBreakdown:
@@ -182,8 +169,11 @@ def predict(model: ModelConfig, setup: TrainingSetup) -> MemoryBreakdown:
 def largest_micro_batch(model: ModelConfig, setup: TrainingSetup, device_bytes: int, *, limit: int = 4096) -> int:
     """The largest micro-batch whose predicted peak fits in ``device_bytes`` (0 if not even one fits).
 
-    The peak never shrinks as the micro-batch grows, so this doubles, then bisects, like
-    ``utils.find_max_batch_size`` does with real steps.
+    The peak never shrinks as the micro-batch grows, and for a given set-up it grows by a nearly constant step per
+    sequence; so this replays two micro-batches, draws the line through their peaks, replays the size where the
+    line crosses the budget and the next one, and is done when the first fits and the second does not (usually
+    four replays). Where the line was off, it searches between the sizes it knows, as
+    ``utils.find_max_batch_size`` does with real steps; the answer is exact either way.
 
     Args:
         model, setup: as for ``predict`` (``setup.micro_batch`` is ignored).
@@ -202,18 +192,38 @@ def largest_micro_batch(model: ModelConfig, setup: TrainingSetup, device_bytes: 
     positive_int("limit", limit)
 
     def fits(batch: int) -> bool:
-        return predict(model, replace(setup, micro_batch=batch)).total <= device_bytes
+        return _replay(model, replace(setup, micro_batch=batch)).peak <= device_bytes
 
     if not fits(1):
         return 0
-    good, bad = 1, None
-    while bad is None and good < limit:
+    good, bad = 1, None                                 # good fits; bad does not
+    if limit >= 4:
+        two, three = (_replay(model, replace(setup, micro_batch=b)).peak for b in (2, 3))
+        if two > device_bytes:
+            bad = 2
+        elif three > device_bytes:
+            good, bad = 2, 3
+        else:
+            good = 3
+            if three > two:                             # the line through 2 and 3 crosses the budget at `guess`
+                guess = min(3 + (device_bytes - three) // (three - two), limit)
+                if guess > good:
+                    if fits(guess):
+                        good = guess
+                    else:
+                        bad = guess
+                if bad is None and good < limit:        # verified when the next size does not fit
+                    if fits(good + 1):
+                        good += 1
+                    else:
+                        bad = good + 1
+    while bad is None and good < limit:                 # the line was low (or flat): double from what fits
         trial = min(2 * good, limit)
         if fits(trial):
             good = trial
         else:
             bad = trial
-    while bad is not None and bad - good > 1:
+    while bad is not None and bad - good > 1:           # the line was high: bisect between what is known
         middle = (good + bad) // 2
         if fits(middle):
             good = middle
@@ -254,9 +264,7 @@ def format_table(breakdown: MemoryBreakdown, *, device_bytes: int | None = None)
         f"({model.kv_heads} kv), ffn {model.ffn}, vocab {model.vocab_size}",
         f"micro-batch {setup.micro_batch} x {setup.seq_len} tokens, {setup.precision}, {setup.optimizer} "
         f"({setup.optimizer_impl}), checkpointing {setup.checkpointing}, {lora}, "
-        + (f"{model.attention} attention, loss {'model(labels=)' if setup.loss == 'labels' else 'on the logits'}"
-           f"{', padded batch' if setup.padded else ''}, " if model.is_hf else
-           f"loss {'chunked by ' + str(setup.chunked_loss) if setup.chunked_loss else 'whole'}, ") +
+        + registry.family_of(model.arch).describe(model, setup) +
         f"accumulation {setup.accumulation_steps}, {setup.strategy} on {setup.ranks} rank(s), {setup.device}",
         "",
         f"{'term (GiB per device)':<36}{'at the peak':>14}{'own largest':>14}",

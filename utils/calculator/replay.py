@@ -5,112 +5,25 @@ A replay is one training step as eager PyTorch performs it, told as allocations 
 ``_Replay.backward`` runs those nodes highest sequence number first, as autograd does, summing the
 gradients that meet, casting them to their inputs' dtype, and handing each parameter its ``.grad``.
 Non-reentrant checkpointing (``_Region``) packs holders instead of tensors and recomputes a block when
-its backward begins. The replay keeps the highest point and what was alive then, by kind (``KINDS``).
+its backward begins; reentrant checkpointing runs the block without autograd and, in backward, recomputes
+it whole and runs a backward of its own (``step.py``).
+
+The replay is cut into phases (the step's set-up, each block's forward and backward, the head, the loss,
+the optimizer); for each it keeps a ``Phase``: the bytes alive by kind (``KINDS``) when it began and ended,
+its highest point relative to its start and what was alive then, each kind's highest point, and, for the
+phases that are not a block's, what they freed of each block's tensors. ``layer_reuse.compose`` turns a list
+of phases into the step's peak; it is how one replayed decoder layer stands for every identical one.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import sys
 from typing import Any, Callable, Iterable, Sequence
 
 from .config import KINDS
-
-class _Buf:
-    """One storage: its bytes, what it is (a ``KINDS`` entry) and how many references keep it alive."""
-
-    __slots__ = ("nbytes", "kind", "label", "refs")
-
-    def __init__(self, nbytes: int, kind: str, label: str) -> None:
-        self.nbytes, self.kind, self.label, self.refs = nbytes, kind, label, 0
-
-
-class _Leaf:
-    """A parameter: its shape, bytes per element, whether it trains, and its gradient once it has one."""
-
-    __slots__ = ("name", "shape", "item", "trainable", "grad", "tensor", "sink")
-
-    def __init__(self, name: str, shape: tuple[int, ...], item: int, trainable: bool) -> None:
-        self.name, self.shape, self.item, self.trainable = name, shape, item, trainable
-        self.grad: _Buf | None = None
-        self.tensor: _T | None = None
-        self.sink: _Node | None = None        # its AccumulateGrad node while a backward runs
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-class _T:
-    """A tensor: a view of a storage, with autograd's metadata (requires grad, grad_fn and output slot)."""
-
-    __slots__ = ("buf", "numel", "item", "rg", "node", "slot", "leaf")
-
-    def __init__(self, buf: _Buf, numel: int, item: int, rg: bool = False, node: "_Node | None" = None,
-                 slot: int = 0, leaf: _Leaf | None = None) -> None:
-        self.buf, self.numel, self.item, self.rg, self.node, self.slot, self.leaf = buf, numel, item, rg, node, slot, leaf
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.item
-
-
-class _Edge:
-    """Where the gradient of one input goes, and how the node's backward produces it.
-
-    ``mode``: "alloc" (backward allocates it, in the input's size and dtype), "pass" (it is the incoming
-    gradient itself; autograd's validate_outputs then sums it down to the input's shape and casts it to the
-    input's dtype when they differ), or a callable of the node's incoming gradients (custom rules).
-    """
-
-    __slots__ = ("src", "mode")
-
-    def __init__(self, src: _T, mode: Any = "alloc") -> None:
-        self.src, self.mode = src, mode
-
-
-class _Node:
-    """An autograd node: what backward allocates, in which order, and what it keeps alive until it runs."""
-
-    __slots__ = ("seq", "name", "edges", "order", "saved", "holders", "region", "slots", "buffer", "deps",
-                 "phase", "custom", "leaf", "out_item", "out_numel")
-
-    def __init__(self, seq: int, name: str, edges: list[_Edge], order: Sequence[int] | None = None,
-                 slots: int = 1) -> None:
-        self.seq, self.name, self.edges = seq, name, edges
-        self.order = list(range(len(edges))) if order is None else list(order)
-        self.saved: list[_Buf] = []
-        self.holders: list[int] = []            # checkpoint holders this node unpacks
-        self.region: _Region | None = None
-        self.slots = slots
-        self.buffer: list[_T | None] = [None] * slots
-        self.deps = 0
-        self.phase: str | None = None
-        self.custom: Callable[..., list[_T | None]] | None = None
-        self.leaf: _Leaf | None = None
-        self.out_item = 4
-        self.out_numel = 0
-
-
-class _Stop(Exception):
-    """Checkpoint's early stop: every tensor the region saved has been recomputed."""
-
-
-class _Region:
-    """A non-reentrant checkpoint region: its forward, its kept inputs, and what recompute holds."""
-
-    def __init__(self, fn: Callable[["_Replay", _T], _T], inputs: list[_T], selective: bool) -> None:
-        self.fn, self.inputs, self.selective = fn, inputs, selective
-        self.saved_count = 0
-        self.holders: dict[int, _Buf] = {}
-        self.sac: list[_Buf] = []               # matmul outputs selective checkpointing stored in forward
-        self.sac_next = 0
-        self.recomputed = False
-        self.pending = 0                         # nodes whose saved-tensor hooks keep the frame alive
-        self.autocast = False                    # autocast was on in forward: recompute runs under it too
-
+from .graph import Phase, _Buf, _Edge, _Leaf, _Node, _Region, _Stop, _T, _shard_numel  # noqa: F401  (re-exported)
 
 class _Replay:
     """Replays one training step as allocations and frees; remembers the highest point and what was alive.
@@ -126,7 +39,7 @@ class _Replay:
         self.peak = -1
         self.peak_kinds: dict[str, int] = {}
         self.peak_phase = ""
-        self.phase = "start"
+        self.phase = "init"
         self.largest = dict.fromkeys(KINDS, 0)
         self.trace: list[tuple[str, int, str]] | None = [] if trace else None
         self.seq = itertools.count()
@@ -140,19 +53,54 @@ class _Replay:
         self.phase_marks: dict[str, int] = {}             # phase -> bytes live when it ended (for validation)
         self.param_shards = 1                             # FSDP keeps 1/N of every parameter at rest
         self.shard_grads = False                          # ZeRO-2 and FSDP reduce-scatter gradients
+        self.phases: list[Phase] = []
+        self._open = Phase(self.phase, dict(self.by_kind))
+        self._phase_total = 0                             # bytes alive when the open phase began
+        self.layer_tag: int | None = None                 # the block whose phase is open (None: not a block's)
+        self._freed_tagged = False
+        self._at_top = self._at_peak = False              # the present moment is the phase's top, the step's peak
 
     # -- storage bookkeeping
-    def _alloc(self, nbytes: int, kind: str, label: str) -> _Buf:
-        buf = _Buf(nbytes, kind, label)
+    def _alloc(self, nbytes: int, kind: str, label: str, tag: int | None = None) -> _Buf:
+        buf = _Buf(nbytes, kind, label, self.layer_tag if tag is None else tag)
         if nbytes:
+            if tag is not None and self.layer_tag is None:      # a block's tensor made outside the blocks
+                made = self._open.tag_frees.setdefault(tag, {})
+                made[kind] = made.get(kind, 0) + nbytes
+                self._open.tagged_allocs = True
+            elif self.layer_tag is None:
+                self._open.untagged_allocs = True
             self.current += nbytes
-            self.by_kind[kind] += nbytes
-            self.largest[kind] = max(self.largest[kind], self.by_kind[kind])
+            by_kind = self.by_kind
+            by_kind[kind] += nbytes
+            if by_kind[kind] > self.largest[kind]:
+                self.largest[kind] = by_kind[kind]
+            opened = self._open
+            if by_kind[kind] - opened.start[kind] > opened.kind_top[kind]:
+                opened.kind_top[kind] = by_kind[kind] - opened.start[kind]
+            rise = self.current - self._phase_total
+            if opened.top is None or rise > opened.top:
+                opened.top = rise
+                self._at_top = True                      # what is alive at the top: copied when it changes
+            if self._freed_tagged:
+                opened.freed_then_allocated.update(opened.tag_frees)
             if self.trace is not None:
                 self.trace.append((self.phase, nbytes, label))
             if self.current > self.peak:
-                self.peak, self.peak_kinds, self.peak_phase = self.current, dict(self.by_kind), self.phase
+                self.peak, self.peak_phase = self.current, self.phase
+                self._at_peak = True
         return buf
+
+    def _snapshot(self) -> None:
+        """Copy what is alive, by kind, for the phase's top and the step's peak if they are the present moment
+        (called before anything changes it: a free, a change of kind, the phase's end)."""
+        if self._at_top:
+            opened = self._open
+            opened.top_kinds = {k: v - opened.start[k] for k, v in self.by_kind.items()}
+            self._at_top = False
+        if self._at_peak:
+            self.peak_kinds = dict(self.by_kind)
+            self._at_peak = False
 
     def incref(self, buf: _Buf) -> None:
         buf.refs += 1
@@ -160,29 +108,60 @@ class _Replay:
     def decref(self, buf: _Buf) -> None:
         buf.refs -= 1
         if buf.refs == 0 and buf.nbytes:
+            if self._at_top or self._at_peak:
+                self._snapshot()
             self.current -= buf.nbytes
             self.by_kind[buf.kind] -= buf.nbytes
+            if buf.tag is not None and self.layer_tag is None:    # a block's tensor freed outside the blocks
+                frees = self._open.tag_frees.setdefault(buf.tag, {})
+                frees[buf.kind] = frees.get(buf.kind, 0) - buf.nbytes
+                self._freed_tagged = True
             if self.trace is not None:
                 self.trace.append((self.phase, -buf.nbytes, "free " + buf.label))
         elif buf.refs < 0:  # pragma: no cover - a bug in the replay, not in the input
             raise AssertionError(f"{buf.label} released more often than referenced")
 
     def set_phase(self, phase: str) -> None:
+        """End the open phase and begin ``phase`` (``m<micro>.f<i>`` / ``.b<i>``: block i's, tagged i)."""
+        self._snapshot()
         self.phase_marks[self.phase] = self.current
+        self._open.end = dict(self.by_kind)
+        self.phases.append(self._open)
         self.phase = phase
+        self._open = Phase(phase, dict(self.by_kind))
+        self._phase_total = self.current
+        self._freed_tagged = False
+        where = phase.rpartition(".")[2]
+        self.layer_tag = int(where[1:]) if where[:1] in ("f", "b") and where[1:].isdigit() else None
+
+    def finish(self) -> None:
+        """Close the last phase: the step has ended and ``phases`` holds every one of them."""
+        self._snapshot()
+        self.phase_marks[self.phase] = self.current
+        self._open.end = dict(self.by_kind)
+        self.phases.append(self._open)
 
     def retag(self, buf: _Buf, kind: str) -> None:
         """Count a live storage as another kind from now on (a gradient autograd hands to a parameter)."""
         if buf.refs > 0:
+            self._snapshot()
             self.by_kind[buf.kind] -= buf.nbytes
             self.by_kind[kind] += buf.nbytes
-            self.largest[kind] = max(self.largest[kind], self.by_kind[kind])
+            if self.by_kind[kind] > self.largest[kind]:
+                self.largest[kind] = self.by_kind[kind]
+            opened = self._open
+            if self.by_kind[kind] - opened.start[kind] > opened.kind_top[kind]:
+                opened.kind_top[kind] = self.by_kind[kind] - opened.start[kind]
+            if buf.tag is not None and self.layer_tag is None:
+                moved = self._open.tag_frees.setdefault(buf.tag, {})
+                moved[buf.kind] = moved.get(buf.kind, 0) - buf.nbytes
+                moved[kind] = moved.get(kind, 0) + buf.nbytes
         buf.kind = kind
 
     # -- tensors held by Python
-    def new(self, numel: int, item: int, kind: str, label: str, rg: bool = False) -> _T:
-        """A fresh tensor with one Python reference."""
-        t = _T(self._alloc(numel * item, kind, label), numel, item, rg)
+    def new(self, numel: int, item: int, kind: str, label: str, rg: bool = False, tag: int | None = None) -> _T:
+        """A fresh tensor with one Python reference (``tag``: the block it belongs to, made outside its phases)."""
+        t = _T(self._alloc(numel * item, kind, label, tag), numel, item, rg)
         self.incref(t.buf)
         if self.scope is not None:
             self.scope.append(t)
@@ -300,9 +279,10 @@ class _Replay:
             self.decref(t.buf)
 
     # -- the backward engine
-    def backward(self, root: _T) -> None:
-        """``root.backward()``: run every node that leads to a trainable parameter, in autograd's order."""
-        seed = self.new(root.numel, root.item, "temporaries", "grad seed")
+    def backward(self, root: _T, grad: _T | None = None) -> None:
+        """``root.backward()`` (or ``torch.autograd.backward(root, grad)``): run every node that leads to a leaf
+        that requires grad, in autograd's order."""
+        seed = self.new(root.numel, root.item, "temporaries", "grad seed") if grad is None else grad
         nodes = self._collect(root.node)
         heap: list[tuple[float, int, _Node]] = []
         tie = itertools.count()
@@ -315,7 +295,8 @@ class _Replay:
             self._run(n, heap, tie)
         for leaf_node in [n for n in nodes if n.leaf is not None]:
             leaf_node.leaf.sink = None
-        self.rel(seed)
+        if grad is None:
+            self.rel(seed)
 
     def _collect(self, root: _Node | None) -> list[_Node]:
         seen: dict[int, _Node] = {}
@@ -436,10 +417,10 @@ class _Replay:
 
     def _grad_kind(self, src: _T) -> str:
         leaf = src.leaf
-        if leaf is not None and leaf.trainable and self.shard_grads:
+        if leaf is not None and leaf.trainable and self.shard_grads and leaf.grad_kind == "gradients":
             return "comm_buffers"                # unsharded until the unit's reduce-scatter
         if leaf is not None and leaf.trainable and leaf.grad is None and self.micro == 0:
-            return "gradients"
+            return leaf.grad_kind
         return "temporaries"
 
     def _accumulate(self, n: _Node) -> None:
@@ -447,13 +428,13 @@ class _Replay:
         leaf = n.leaf
         g = n.buffer[0]
         n.buffer = [None]
-        if self.shard_grads:                     # ZeRO-2 / FSDP: held whole until its unit is reduce-scattered
+        if self.shard_grads and leaf.grad_kind == "gradients":   # ZeRO-2 / FSDP: whole until reduce-scattered
             self.retag(g.buf, "comm_buffers")
             self.pending_grads.setdefault(leaf.name, []).append(g.buf)
             return
         if leaf.grad is None:
             leaf.grad = g.buf
-            self.retag(g.buf, "gradients")
+            self.retag(g.buf, leaf.grad_kind)
         else:
             self.decref(g.buf)
 
@@ -491,10 +472,3 @@ class _Replay:
             self.incref(t.buf)
             self.region.sac.append(t.buf)
         return t
-
-
-def _shard_numel(shape: Sequence[int], ranks: int) -> int:
-    """Elements of one rank's shard of a tensor under FSDP2: dim 0 split in N, padded (``ceil(dim0 / N)`` rows)."""
-    if ranks == 1:
-        return math.prod(shape)
-    return math.ceil(shape[0] / ranks) * math.prod(shape[1:])

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from .config import ModelConfig, TrainingSetup
-from .predict import _phase_label, _replay
+from .predict import _phase_label, _replay, check
 from .shapes import parameter_shapes
 from .reference import _torch, build_reference, reference_step
 
@@ -64,7 +64,7 @@ def predict_step_bytes(model: ModelConfig, setup: TrainingSetup) -> StepBytes:
     step = _replay(model, setup)
     base = step.baseline
     last = f"m0.f{model.num_layers - 1}"
-    marks = {phase: value - base for phase, value in step.phase_marks.items() if phase not in ("start", "end")}
+    marks = {phase: value - base for phase, value in step.phase_marks.items() if phase not in ("init", "start", "end")}
     return StepBytes(parameters=step.largest["parameters"], optimizer_state=step.largest["optimizer_state"],
                      inputs=step.largest["inputs"], activations=marks[last], loss=marks["m0.head"] - marks[last],
                      gradients=step.grads_mark - base, peak=step.peak, boundaries=marks)
@@ -104,8 +104,7 @@ def measure_reference_step(model: ModelConfig, setup: TrainingSetup, *, device: 
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"expected device 'cpu' or 'cuda', got {str(device)!r}")
     setup = replace(setup, device="cuda" if device.type == "cuda" else "cpu")
-    if model.arch == "gpt" and setup.seq_len > model.max_seq_len:
-        raise ValueError(f"seq_len {setup.seq_len} exceeds max_seq_len {model.max_seq_len}")
+    check(model, setup)
     net, optimizer = build_reference(model, setup, seed=seed, device=device)
     k, batch, seq = setup.accumulation_steps, setup.micro_batch, setup.seq_len
     tokens, targets = make_token_data(batch * k, seq, model.vocab_size, seed=seed, device=device)

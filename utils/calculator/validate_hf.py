@@ -13,15 +13,18 @@ measures that step twice, independently of the course's own tracker:
 
 Both count the model's parameters and buffers, the optimizer's state and the batch from the start.
 
-Result (issue 33; torch 2.13.0+cpu, transformers 5.24.0, peft 0.21.2): on all 42 configurations of the grid
-(32 of the Llama family, 10 of GPT-2) the predicted peak equals the measured one to the byte (worst error 0
-bytes), and MemTracker and the counter agree to the byte on the 31 where MemTracker runs (it refuses the 8
-LoRA models and, with accumulation, a module called twice). The tests assert it on a 5-configuration subset.
-One thing a tracker changes: under any ``TorchDispatchMode`` (MemTracker, the counter) sdpa's math kernel
-(attention dropout on the CPU) adds its mask out of place, one (B, H, T, T) tensor more for a moment than an
-untracked step; the replay follows the tracked step. Not covered: CUDA (the replay has CUDA's op-level
-choices, e.g. dropout's bool mask, but no GPU has measured them), a padded batch together with Mistral's
-sliding window (its mask's temporaries are not modelled).
+Result (issue 43; torch 2.13.0+cpu, transformers 5.24.0, peft 0.21.2): on all 74 configurations of the grid
+(``hf_grid.py``: the Llama family, Qwen3, Phi-3, Gemma 2, Gemma 3 and GPT-2, with dropout, sliding layers, reentrant
+checkpointing, LoRA, padding, each loop's kept outputs and each precision) the predicted peak equals the measured one
+to the byte (worst error 0 bytes), and MemTracker and the counter agree to the byte wherever MemTracker runs (it
+refuses frozen parameters (LoRA), a module called twice (accumulation), and is not run with reentrant
+checkpointing). The tests assert it on an 8-configuration subset, one row per family. One thing a tracker changes:
+under any ``TorchDispatchMode`` (MemTracker, the counter) sdpa's math kernel (attention dropout on the CPU) adds its
+mask out of place, one (B, H, T, T) tensor more for a moment than an untracked step; the replay follows the tracked
+step. Under ``outputs="kept"`` the measured step begins with what the loop's variables hold from the step before
+(the output object, and what its autograd graph keeps: a checkpointed model's input leaf and its gradient, a
+reentrant checkpoint's arguments), each followed from the start. Not covered: CUDA (the replay has CUDA's op-level
+choices, e.g. dropout's bool mask, but no GPU has measured them).
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
+from . import registry
 from .counter import StorageCounter
+from .hf_grid import _tiny, _tiny_gpt2, hf_validation_grid, tiny_config  # noqa: F401  (the grid, named here too)
 
 
 def _torch():  # noqa: ANN202 - imported lazily
@@ -41,69 +46,51 @@ def _torch():  # noqa: ANN202 - imported lazily
 
 # --- the real model and its step -------------------------------------------------------------------------------
 
-def hf_config_for(model: Any) -> Any:
-    """The transformers config of a calculator ``ModelConfig`` of arch ``"hf-llama"`` / ``"hf-gpt2"``."""
-    import transformers
+def hf_config_for(model: Any, fields: dict[str, Any] | None = None) -> Any:
+    """The transformers config to build: from its fields when the grid gives them (a config dict, as a reader's
+    config.json), else the family's config of a calculator ``ModelConfig``."""
+    if fields is not None:
+        import transformers
 
-    if model.arch == "hf-gpt2":
-        return transformers.GPT2Config(n_layer=model.num_layers, n_embd=model.d_model, n_head=model.num_heads,
-                                       vocab_size=model.vocab_size, n_positions=model.max_seq_len,
-                                       n_inner=model.ffn if model.ffn != 4 * model.d_model else None,
-                                       tie_word_embeddings=model.tied_embeddings, use_cache=model.use_cache,
-                                       embd_pdrop=model.dropout[0], attn_pdrop=model.dropout[1],
-                                       resid_pdrop=model.dropout[2], activation_function=model.activation or "gelu_new")
-    config_class = transformers.Qwen2Config if model.qkv_bias and not model.out_bias else transformers.LlamaConfig
-    if model.sliding_window is not None:
-        config_class = transformers.MistralConfig
-    fields = dict(num_hidden_layers=model.num_layers, hidden_size=model.d_model, num_attention_heads=model.num_heads,
-                  num_key_value_heads=model.kv_heads, intermediate_size=model.ffn, vocab_size=model.vocab_size,
-                  max_position_embeddings=model.max_seq_len, tie_word_embeddings=model.tied_embeddings,
-                  use_cache=model.use_cache)
-    if config_class is transformers.LlamaConfig:
-        fields.update(attention_bias=model.qkv_bias, mlp_bias=model.mlp_bias, head_dim=model.head_dim)
-    if config_class is transformers.MistralConfig:
-        fields.update(sliding_window=model.sliding_window, head_dim=model.head_dim)
-    return config_class(**fields)
+        fields = {k: v for k, v in fields.items() if not k.startswith("_") and k != "attn_implementation"}
+        return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return registry.family_of(model.arch).transformers_config(model)
 
 
-def build_hf_reference(model: Any, setup: Any, *, seed: int = 0) -> tuple[Any, Any]:
+def build_hf_reference(model: Any, setup: Any, *, seed: int = 0, fields: dict[str, Any] | None = None
+                       ) -> tuple[Any, Any]:
     """The transformers model (peft-wrapped under LoRA) and optimizer ``hf_reference_step`` trains, on the CPU.
 
     Random weights from the config (``AutoModelForCausalLM.from_config``); pure bf16 converts the model
     with ``.to(torch.bfloat16)`` before peft adds its (float32) adapters; checkpointing is
-    ``activation_checkpointing_enable()`` (``gradient_checkpointing_enable`` before transformers 5).
+    ``activation_checkpointing_enable()`` (``{"use_reentrant": True}`` when the set-up says so).
     """
     torch = _torch()
     import transformers
 
     torch.manual_seed(seed)
-    net = transformers.AutoModelForCausalLM.from_config(hf_config_for(model), attn_implementation=model.attention)
+    net = transformers.AutoModelForCausalLM.from_config(hf_config_for(model, fields),
+                                                        attn_implementation=model.attention)
     if setup.precision == "bf16":
         net = net.to(torch.bfloat16)
     if setup.lora_rank:
         from peft import LoraConfig, get_peft_model
 
-        from .hf_llama import hf_lora_targets
-
-        if model.arch == "hf-gpt2":
-            from .hf_gpt2 import gpt2_lora_targets
-
-            targets = sorted(gpt2_lora_targets(model, setup))
-        else:
-            targets = sorted(hf_lora_targets(model, setup))
+        targets = sorted(registry.family_of(model.arch).lora_targets(model, setup))
         net = get_peft_model(net, LoraConfig(r=setup.lora_rank, lora_alpha=2 * setup.lora_rank,
                                              lora_dropout=setup.lora_dropout, target_modules=targets))
     if setup.checkpointing == "every_block":
         enable = getattr(net, "activation_checkpointing_enable", None) or net.gradient_checkpointing_enable
-        enable()
+        enable({"use_reentrant": True} if setup.reentrant else None)
     net.train()
     params = [p for p in net.parameters() if p.requires_grad]
     impl = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[setup.optimizer_impl]
-    optimizers = {"sgd": lambda: torch.optim.SGD(params, lr=1e-3, **impl),
-                  "sgd_momentum": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9, **impl),
-                  "adam": lambda: torch.optim.Adam(params, lr=1e-3, **impl),
-                  "adamw": lambda: torch.optim.AdamW(params, lr=1e-3, **impl),
-                  "adafactor": lambda: torch.optim.Adafactor(params, lr=1e-3, **impl)}
+    options = {**impl, **dict(setup.optimizer_options)}
+    optimizers = {"sgd": lambda: torch.optim.SGD(params, **{"lr": 1e-3, **options}),
+                  "sgd_momentum": lambda: torch.optim.SGD(params, **{"lr": 1e-3, "momentum": 0.9, **options}),
+                  "adam": lambda: torch.optim.Adam(params, **{"lr": 1e-3, **options}),
+                  "adamw": lambda: torch.optim.AdamW(params, **{"lr": 1e-3, **options}),
+                  "adafactor": lambda: torch.optim.Adafactor(params, **{"lr": 1e-3, **options})}
     if setup.optimizer not in optimizers:
         raise ValueError(f"the transformers grid trains with torch.optim: expected one of {sorted(optimizers)}")
     return net, optimizers[setup.optimizer]()
@@ -133,17 +120,20 @@ def make_hf_batch(model: Any, setup: Any, *, seed: int = 0) -> dict[str, Any]:
 
 
 def hf_reference_step(net: Any, optimizer: Any, batch: dict[str, Any], setup: Any,
-                      mark: Callable[[str], None] | None = None) -> None:
+                      mark: Callable[[str], None] | None = None, loop: dict[str, Any] | None = None,
+                      outputs: str = "dropped") -> None:
     """One training step of a transformers model, as a reader writes it (what ``predict_hf`` replays).
 
-    For each micro-batch: under ``torch.autocast`` when the precision says so,
-    ``loss = net(input_ids=..., attention_mask=..., labels=...).loss`` (the output object, which holds the
-    logits and the cache, is dropped at once), or with ``setup.loss == "logits"`` your own
-    ``F.cross_entropy(net(...).logits.flatten(0, 1).float(), targets.flatten())``, or with ``"shifted-sum"``
-    notebook 17's ``train_step`` (the targets counted first, ``loss_sum(net(...), labels) / count``, a running
-    total, each loss kept until the next replaces it); then ``loss.backward()``
-    (``(loss / accumulation_steps).backward()`` when accumulating); then ``optimizer.step()`` and
-    ``optimizer.zero_grad(set_to_none=True)``. ``mark(phase)`` is called where the replay's phases begin
+    For each micro-batch, under ``torch.autocast`` when the precision says so, the forward and the loss as
+    ``setup.loss`` says: ``net(input_ids=..., attention_mask=..., labels=...).loss``; your own
+    ``F.cross_entropy(net(...).logits.flatten(0, 1).float(), targets.flatten())``; or notebook 17's ``train_step``
+    (the targets counted first, ``loss_sum(net(...), labels) / count``, a running total, each loss kept until the
+    next replaces it). ``outputs`` is what the loop does with the model's output: ``"dropped"`` at once;
+    ``"kept"`` in the loop's variables (``loop``, a dict that outlives the call, as a training loop's variables
+    outlive an iteration: ``outputs = net(...)``, ``loss = outputs.loss``; or ``logits = net(...).logits`` and
+    ``loss = F.cross_entropy(logits...)``), or ``"kept-in-step"``, the same variables dropped when the step ends.
+    Then ``loss.backward()`` (``(loss / accumulation_steps).backward()`` when accumulating), ``optimizer.step()``
+    and ``optimizer.zero_grad(set_to_none=True)``. ``mark(phase)`` is called where the replay's phases begin
     (embeddings, each layer's forward and backward, the head, the loss's backward, the optimizer).
     """
     torch = _torch()
@@ -151,6 +141,8 @@ def hf_reference_step(net: Any, optimizer: Any, batch: dict[str, Any], setup: An
 
     autocast = setup.precision == "bf16-autocast"
     layers, final_norm = _layers_and_norm(net)
+    loop = {} if loop is None else loop
+    keep = outputs != "dropped"
     handles = []
     if mark is not None:
         for index, layer in enumerate(layers):
@@ -174,14 +166,25 @@ def hf_reference_step(net: Any, optimizer: Any, batch: dict[str, Any], setup: An
             kwargs = {"input_ids": batch["input_ids"][micro]}
             if "attention_mask" in batch:
                 kwargs["attention_mask"] = batch["attention_mask"][micro]
+            labels = batch["labels"][micro]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                if setup.loss == "labels":
-                    loss = net(**kwargs, labels=batch["labels"][micro]).loss
+                if setup.loss == "labels" and keep:
+                    loop["outputs"] = net(**kwargs, labels=labels)
+                    loss = loop["outputs"].loss
+                elif setup.loss == "labels":
+                    loss = net(**kwargs, labels=labels).loss
+                elif setup.loss == "shifted-sum" and keep:
+                    loop["outputs"] = net(**kwargs)
+                    loss = _shifted_sum(loop["outputs"], labels) / count
                 elif setup.loss == "shifted-sum":
-                    loss = _shifted_sum(net(**kwargs), batch["labels"][micro]) / count
+                    loss = _shifted_sum(net(**kwargs), labels) / count
+                elif keep:
+                    loop["logits"] = net(**kwargs).logits
+                    loop["loss"] = F.cross_entropy(loop["logits"].flatten(0, 1).float(), labels.flatten())
+                    loss = loop["loss"]
                 else:
                     logits = net(**kwargs).logits
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"][micro].flatten())
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
                     del logits
                 if mark is not None:
                     mark(f"m{micro}.exit")
@@ -199,9 +202,53 @@ def hf_reference_step(net: Any, optimizer: Any, batch: dict[str, Any], setup: An
         optimizer.zero_grad(set_to_none=True)
         if mark is not None:
             mark("end")
+        if outputs == "kept-in-step":
+            loop.clear()
     finally:
         for handle in handles:
             handle.remove()
+
+
+def loop_tensors(loop: dict[str, Any]) -> list[Any]:
+    """Every tensor the loop's variables hold (an output object's loss, logits and cache included) and what their
+    autograd graph keeps (a checkpointed model's input leaf and its ``.grad``, a reentrant checkpoint's arguments).
+
+    Written without a recursive closure: a closure that refers to itself is a reference cycle, which would keep the
+    tensors it collected alive until the garbage collector runs (and the measured step would depend on when)."""
+    torch = _torch()
+    found: list[Any] = []
+    values: list[Any] = [loop]
+    nodes: list[Any] = []
+    seen: set[int] = set()
+    while values or nodes:
+        while values:
+            value = values.pop()
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+                if value.grad_fn is not None:
+                    nodes.append(value.grad_fn)
+            elif isinstance(value, dict):
+                values.extend(value.values())
+            elif isinstance(value, (list, tuple)):
+                values.extend(value)
+            elif hasattr(value, "layers"):                 # a transformers Cache
+                values.extend(getattr(layer, name, None) for layer in value.layers
+                              for name in ("keys", "values", "_sliding_window_tensor"))
+            elif hasattr(value, "to_tuple"):               # a ModelOutput
+                values.append(value.to_tuple())
+        if nodes:
+            node = nodes.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            variable = getattr(node, "variable", None)      # AccumulateGrad: a leaf (the embedding's output)
+            if isinstance(variable, torch.Tensor) and not isinstance(variable, torch.nn.Parameter):
+                values.extend([variable, variable.grad])
+            function = getattr(node, "run_function", None)  # a reentrant checkpoint keeps its block's arguments
+            if function is not None:
+                values.extend([*getattr(function, "keywords", {}).values(), *getattr(function, "args", ())])
+            nodes.extend(next_node for next_node, _ in node.next_functions)
+    return found
 
 
 def _shifted_sum(outputs: Any, labels: Any) -> Any:
@@ -241,36 +288,42 @@ class HfMeasurement:
     events: list = field(default_factory=list)
 
 
-def measure_hf_step(model: Any, setup: Any, *, seed: int = 0, trace: bool = False,
-                    memtracker: bool = True) -> HfMeasurement:
-    """Build, warm up (one step creates the optimizer state) and measure one ``hf_reference_step`` on the CPU."""
+def measure_hf_step(model: Any, setup: Any, *, seed: int = 0, trace: bool = False, memtracker: bool = True,
+                    fields: dict[str, Any] | None = None) -> HfMeasurement:
+    """Build, warm up (one step creates the optimizer state, and the loop's variables under ``outputs="kept"``)
+    and measure one ``hf_reference_step`` on the CPU (``fields``: the config dict the model was read from)."""
     with warnings.catch_warnings():       # transformers' and peft's own deprecation notices, not ours
         warnings.simplefilter("ignore", FutureWarning)
         warnings.filterwarnings("ignore", "fan_in_fan_out is set to False", UserWarning)   # peft on GPT-2's Conv1D
-        return _measure_hf_step(model, setup, seed, trace, memtracker)
+        warnings.filterwarnings("ignore", ".*use_reentrant.*", UserWarning)
+        return _measure_hf_step(model, setup, seed, trace, memtracker, fields)
 
 
-def _measure_hf_step(model: Any, setup: Any, seed: int, trace: bool, memtracker: bool) -> HfMeasurement:
+def _measure_hf_step(model: Any, setup: Any, seed: int, trace: bool, memtracker: bool,
+                     fields: dict[str, Any] | None) -> HfMeasurement:
     torch = _torch()
 
     setup = replace(setup, device="cpu")
-    net, optimizer = build_hf_reference(model, setup, seed=seed)
+    outputs = registry.family_of(model.arch).outputs(setup)
+    net, optimizer = build_hf_reference(model, setup, seed=seed, fields=fields)
     batch = make_hf_batch(model, setup, seed=seed)
-    hf_reference_step(net, optimizer, batch, setup)
-    existing = (list(net.parameters()) + list(net.buffers()) + list(batch.values())
+    loop: dict[str, Any] = {}
+    hf_reference_step(net, optimizer, batch, setup, loop=loop, outputs=outputs)
+    existing = (list(net.parameters()) + list(net.buffers()) + list(batch.values()) + loop_tensors(loop)
                 + [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)])
     with StorageCounter(trace=trace) as counter:
         counter.follow(existing)
-        hf_reference_step(net, optimizer, batch, setup, counter.mark)
+        del existing                                  # the loop's old outputs must be free to go when rebound
+        hf_reference_step(net, optimizer, batch, setup, counter.mark, loop=loop, outputs=outputs)
     tracked = None
     frozen = any(not p.requires_grad for p in net.parameters())
-    if memtracker and not frozen and setup.accumulation_steps == 1:   # MemTracker: one forward per module
-        from torch.distributed._tools.mem_tracker import MemTracker
+    if memtracker and not frozen and setup.accumulation_steps == 1 and not setup.reentrant:
+        from torch.distributed._tools.mem_tracker import MemTracker   # one forward per module: no recompute
 
         tracker = MemTracker()
-        tracker.track_external(net, optimizer, *batch.values())
+        tracker.track_external(net, optimizer, *batch.values(), *loop_tensors(loop))
         with tracker:
-            hf_reference_step(net, optimizer, batch, setup)
+            hf_reference_step(net, optimizer, batch, setup, loop=loop, outputs=outputs)
         tracked = sum(int(v) for device, kinds in tracker.get_tracker_snapshot("peak").items()
                       if torch.device(device).type == "cpu" for k, v in kinds.items() if _plain(k) == "Total")
     return HfMeasurement(peak_bytes=counter.peak_bytes, memtracker_peak_bytes=tracked, peak_phase=counter.peak_phase,
@@ -282,110 +335,6 @@ def _plain(key: Any) -> str:
 
 
 # --- the grid ------------------------------------------------------------------------------------------------------
-
-def _tiny(**changes: Any) -> Any:
-    from .config import ModelConfig
-
-    fields = dict(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, ffn_width=48, vocab_size=64, max_seq_len=16,
-                  arch="hf-llama", name="tiny LlamaForCausalLM")
-    fields.update(changes)
-    return ModelConfig(**fields)
-
-
-def _tiny_gpt2(**changes: Any) -> Any:
-    """A tiny ``GPT2LMHeadModel``: GPT-2's own dropouts (0.1 each) and ``gelu_new`` unless changed."""
-    from .config import ModelConfig
-
-    fields = dict(num_layers=2, d_model=32, num_heads=4, ffn_width=48, vocab_size=64, max_seq_len=16,
-                  arch="hf-gpt2", tied_embeddings=True, dropout=(0.1, 0.1, 0.1), name="tiny GPT2LMHeadModel")
-    fields.update(changes)
-    return ModelConfig(**fields)
-
-
-def hf_validation_grid(check: bool = False) -> list[tuple[str, Any, Any]]:
-    """The configurations ``validate_hf`` measures: tiny transformers Llama-family and GPT-2 models, micro-batch 2 x 16.
-
-    Covered: sdpa and eager attention; grouped-query (2 kv heads of 4), multi-head and multi-query attention;
-    tied embeddings; q/k/v biases (Qwen2's design, a real ``Qwen2ForCausalLM``); ``MistralForCausalLM`` with a
-    sliding window longer and shorter than the sequence; fp32, bf16 autocast and pure bf16; peft LoRA (all linear
-    layers, or q/v with dropout) with and without ``gradient_checkpointing_enable``; ``labels=`` and your own
-    loss on the logits; a padded batch with its ``attention_mask``; a model without cache; micro-batch 1;
-    gradient accumulation; AdamW (for-loop, foreach and fused), SGD with momentum and Adafactor; notebook 17's
-    summed loss over the count (``loss="shifted-sum"``). GPT-2 (``GPT2LMHeadModel``): its dropouts at 0.1
-    (sdpa's math kernel) and at 0 (the flash kernel), eager attention, untied head, ``gelu_new`` and
-    ``gelu_pytorch_tanh``, peft LoRA on its ``Conv1D`` layers, every precision, checkpointing and loss.
-    ``check=True`` gives the subset the tests run (a few seconds).
-    """
-    from .config import TrainingSetup
-
-    base = TrainingSetup(micro_batch=2, seq_len=16, precision="fp32", optimizer="adamw", optimizer_impl="for-loop",
-                         device="cpu")
-    gqa, mha, mqa_tied = _tiny(), _tiny(num_kv_heads=4, name="tiny, 4 kv heads"), \
-        _tiny(num_kv_heads=1, tied_embeddings=True, name="tiny, 1 kv head, tied")
-    eager, qwen = _tiny(attention="eager", name="tiny, eager"), _tiny(qkv_bias=True, name="tiny, q/k/v bias (Qwen2)")
-    gpt2, gpt2_plain = _tiny_gpt2(), _tiny_gpt2(dropout=(0.0, 0.0, 0.0), name="tiny GPT-2, no dropout")
-    gpt2_eager = _tiny_gpt2(attention="eager", name="tiny GPT-2, eager")
-    gpt2_untied = _tiny_gpt2(attention="eager", tied_embeddings=False, name="tiny GPT-2, eager, untied")
-    gpt2_tanh = _tiny_gpt2(activation="gelu_pytorch_tanh", use_cache=False, name="tiny GPT-2, gelu_pytorch_tanh")
-
-    def s(**changes: Any) -> Any:
-        return replace(base, **changes)
-
-    ac, bf, ck = "bf16-autocast", "bf16", "every_block"
-    grid = [
-        ("sdpa gqa fp32 adamw", gqa, s()),
-        ("sdpa gqa autocast", gqa, s(precision=ac)),
-        ("sdpa gqa bf16", gqa, s(precision=bf)),
-        ("sdpa gqa own loss on logits", gqa, s(loss="logits")),
-        ("sdpa mha fp32", mha, s()),
-        ("sdpa mqa tied fp32", mqa_tied, s()),
-        ("sdpa gqa checkpointing", gqa, s(checkpointing=ck)),
-        ("sdpa gqa padded batch", gqa, s(padded=True)),
-        ("sdpa gqa lora all-linear", gqa, s(lora_rank=4)),
-        ("sdpa gqa lora checkpointing", gqa, s(lora_rank=4, checkpointing=ck)),
-        ("sdpa gqa lora autocast", gqa, s(lora_rank=4, precision=ac)),
-        ("sdpa gqa lora bf16", gqa, s(lora_rank=4, precision=bf)),
-        ("sdpa gqa lora q,v dropout 0.1", gqa, s(lora_rank=4, lora_dropout=0.1, lora_targets=("q_proj", "v_proj"))),
-        ("sdpa gqa padded autocast lora", gqa, s(padded=True, precision=ac, lora_rank=4)),
-        ("sdpa gqa accumulation 2", gqa, s(accumulation_steps=2)),
-        ("sdpa qwen2 bias fp32", qwen, s()),
-        ("sdpa gqa sgd momentum", gqa, s(optimizer="sgd_momentum")),
-        ("sdpa gqa adafactor foreach", gqa, s(optimizer="adafactor", optimizer_impl="foreach")),
-        ("sdpa gqa bf16 adamw foreach", gqa, s(optimizer_impl="foreach", precision=bf)),
-        ("sdpa gqa no cache", _tiny(use_cache=False, name="tiny, use_cache=False"), s()),
-        ("sdpa gqa batch 1 autocast ckpt", gqa, s(micro_batch=1, precision=ac, checkpointing=ck)),
-        ("eager gqa fp32", eager, s()),
-        ("eager batch 1", eager, s(micro_batch=1)),
-        ("eager mha checkpointing", _tiny(attention="eager", num_kv_heads=4, name="tiny, eager, 4 kv heads"),
-         s(checkpointing=ck)),
-        ("eager mqa autocast", _tiny(attention="eager", num_kv_heads=1, name="tiny, eager, 1 kv head"),
-         s(precision=ac)),
-        ("eager bf16 padded checkpointing", eager, s(precision=bf, padded=True, checkpointing=ck)),
-        ("mistral window 4096 fp32", _tiny(sliding_window=4096, name="tiny MistralForCausalLM"), s()),
-        ("mistral window 8 < 16 tokens", _tiny(sliding_window=8, name="tiny Mistral, window 8"), s()),
-        ("sdpa gqa autocast own loss", gqa, s(precision=ac, loss="logits")),
-        ("notebook 17: padded shifted-sum fused", _tiny(use_cache=False, name="tiny, use_cache=False"),
-         s(padded=True, loss="shifted-sum", optimizer_impl="fused")),
-        ("shifted-sum autocast accumulation 2", gqa, s(loss="shifted-sum", precision=ac, accumulation_steps=2)),
-        ("shifted-sum bf16 checkpointing", gqa, s(loss="shifted-sum", precision=bf, checkpointing=ck)),
-        ("gpt2 sdpa dropout 0.1 fp32", gpt2, s()),
-        ("gpt2 sdpa dropout 0.1 autocast", gpt2, s(precision=ac)),
-        ("gpt2 sdpa dropout 0.1 bf16 padded", gpt2, s(precision=bf, padded=True)),
-        ("gpt2 sdpa no dropout autocast ckpt", gpt2_plain, s(precision=ac, checkpointing=ck)),
-        ("gpt2 eager dropout 0.1 padded", gpt2_eager, s(padded=True)),
-        ("gpt2 eager untied bf16 checkpointing", gpt2_untied, s(precision=bf, checkpointing=ck)),
-        ("gpt2 lora c_attn,c_fc checkpointing", gpt2, s(lora_rank=4, lora_targets=("c_attn", "c_fc"), checkpointing=ck)),
-        ("gpt2 lora all autocast dropout 0.1", gpt2, s(lora_rank=4, lora_dropout=0.1, precision=ac)),
-        ("gpt2 tanh gelu own loss batch 1", gpt2_tanh, s(micro_batch=1, loss="logits", optimizer="sgd_momentum")),
-        ("gpt2 shifted-sum accumulation 2", gpt2, s(loss="shifted-sum", accumulation_steps=2, padded=True,
-                                                    optimizer_impl="foreach")),
-    ]
-    if not check:
-        return grid
-    subset = ("sdpa gqa padded autocast lora", "eager bf16 padded checkpointing", "notebook 17: padded shifted-sum fused",
-              "gpt2 sdpa dropout 0.1 autocast", "gpt2 lora c_attn,c_fc checkpointing")
-    return [row for row in grid if row[0] in subset]
-
 
 @dataclass(frozen=True)
 class HfValidationRow:
@@ -416,14 +365,28 @@ class HfValidationRow:
 
 
 def validate_hf(grid: Sequence[tuple[str, Any, Any]] | None = None, *, check: bool = False,
-                progress: Callable[[HfValidationRow], None] | None = None) -> list[HfValidationRow]:
-    """Measure every configuration of the transformers grid on the CPU and put ``predict``'s peak beside it."""
+                progress: Callable[[HfValidationRow], None] | None = None,
+                memtracker_rows: int | None = None) -> list[HfValidationRow]:
+    """Measure every configuration of the transformers grid on the CPU and put ``predict``'s peak beside it.
+
+    Args:
+        grid: (label, model, setup) rows, a model being a ``ModelConfig`` or a config dict; default
+            ``hf_validation_grid(check)``.
+        check: the subset the tests run.
+        progress: called with each row as soon as it is measured.
+        memtracker_rows: measure with torch's ``MemTracker`` too on the first this many rows only (None: all).
+    """
+    from .from_transformers import model_config_from_hf
     from .predict import predict
 
     rows = []
-    for label, model, setup in grid if grid is not None else hf_validation_grid(check):
+    for index, (label, model, setup) in enumerate(grid if grid is not None else hf_validation_grid(check)):
+        fields = model if isinstance(model, dict) else None
+        model = model_config_from_hf(fields) if fields is not None else model
         setup = replace(setup, device="cpu")
-        row = HfValidationRow(label, model, setup, predict(model, setup).total, measure_hf_step(model, setup))
+        memtracker = memtracker_rows is None or index < memtracker_rows
+        row = HfValidationRow(label, model, setup, predict(model, setup).total,
+                              measure_hf_step(model, setup, fields=fields, memtracker=memtracker))
         rows.append(row)
         if progress is not None:
             progress(row)

@@ -1,7 +1,7 @@
-"""What a model is to ``model_parallel.py``: its parameter tensors, each with the dimension tensor parallelism
-splits and the pipeline place it lives in (``ParallelTensor``), and the shape of one layer's activations
-(``ParallelModel``), read from a calculator ``ModelConfig``, a transformers config or an ``nn.Module`` with the
-``parallelize_module`` plan of one of its blocks. Split from ``model_parallel.py`` to keep each file one sitting.
+"""What a model is to model parallelism (``model_parallel.py``): its parameter tensors, each with the dimension tensor
+parallelism splits and the pipeline place it lives in (``ParallelTensor``), and the shape of one layer's activations
+(``ParallelModel``), read from a calculator ``ModelConfig`` (the family says which dimension each tensor splits),
+a transformers config, or an ``nn.Module`` with the ``parallelize_module`` plan of one of its blocks.
 """
 
 from __future__ import annotations
@@ -10,16 +10,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from . import registry
 from .config import ModelConfig
-from .dataparallel import _DataParallel
+from .data_parallel import unit_of
 from .shapes import parameter_shapes
 
 DESIGNS = ("gpt", "llama")            # per-layer activations: LayerNorm + GELU MLP, or RMSNorm + SwiGLU + GQA
-
-# which dimension tensor parallelism splits, by the end of a parameter's name (the Megatron layout)
-_COLUMN = ("qkv", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "mlp.0", "c_attn", "c_fc")
-_ROW = ("proj", "o_proj", "down_proj", "mlp.2", "c_proj")
-_VOCAB = ("token_embedding", "embed_tokens", "wte", "head", "lm_head")
 
 # --- the model ---------------------------------------------------------------------------------------------------
 
@@ -62,26 +58,26 @@ class ParallelModel:
 
     @classmethod
     def from_config(cls, model: ModelConfig) -> "ParallelModel":
-        """A calculator ``ModelConfig`` (designs ``"gpt"``, ``"llama"``, ``"hf-llama"``) with the Megatron layout."""
+        """A calculator ``ModelConfig`` with the Megatron layout (its family says which dimension each tensor splits
+        and whose per-layer activations it has)."""
         if not isinstance(model, ModelConfig):
             raise TypeError(f"expected a utils.calculator.ModelConfig, got {type(model).__name__}")
-        if model.arch == "hf-gpt2":
-            raise ValueError("GPT-2's Conv1D weights are stored transposed and its step is not replayed: expected a "
-                             "design 'gpt', 'llama' or 'hf-llama'")
+        family = registry.family_of(model.arch)
+        design = family.activation_design()
         if model.head_dim * model.num_heads != model.d_model:
             raise ValueError(f"a head width of {model.head_dim} x {model.num_heads} heads != d_model {model.d_model}: "
                              "expected heads that tile the width")
         shapes = [(name, tuple(shape)) for name, shape, _ in parameter_shapes(model)]
-        tensors = tuple(ParallelTensor(name, shape, _tp_dim_by_name(name, shape), place)
+        tensors = tuple(ParallelTensor(name, shape, family.tensor_parallel_dim(name, shape), place)
                         for (name, shape), place in zip(shapes, _places([name for name, _ in shapes])))
         return cls(name=model.name, tensors=tensors, layers=model.num_layers, width=model.d_model,
                    heads=model.num_heads, kv_heads=model.kv_heads, ffn=model.ffn, vocab=model.vocab_size,
-                   design="gpt" if model.arch == "gpt" else "llama")
+                   design=design)
 
     @classmethod
     def from_hf(cls, config: Any) -> "ParallelModel":
         """A transformers config (a ``PretrainedConfig``, a dict, a config.json path or a shipped name)."""
-        from .hf import model_config_from_hf
+        from .from_transformers import model_config_from_hf
         return cls.from_config(model_config_from_hf(config))
 
     @classmethod
@@ -89,7 +85,7 @@ class ParallelModel:
                     design: str = "gpt") -> "ParallelModel":
         """An ``nn.Module`` whose blocks ``plan`` (one block's ``parallelize_module`` plan) splits.
 
-        Parameters inside ``layers.<i>.`` (or ``blocks.<i>.``, ``h.<i>.``: ``dataparallel``'s FSDP units) are layer
+        Parameters inside ``layers.<i>.`` (or ``blocks.<i>.``, ``h.<i>.``: ``data_parallel``'s FSDP units) are layer
         ``i``, the plan's names relative to the block; a module with no such list is one layer, the plan's names
         relative to the module. ``ColwiseParallel`` splits a weight's dim 0 (and its bias), ``RowwiseParallel``
         its dim 1 (the bias stays whole); everything else is whole on every rank. The first layer's input is the
@@ -97,7 +93,7 @@ class ParallelModel:
         """
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
         named = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
-        units = [_DataParallel.unit_of(None, n) for n, _ in named]
+        units = [unit_of(n) for n, _ in named]
         stacked = any(unit >= 0 for unit in units)
         tensors = []
         for (full, shape), place in zip(named, _places([n for n, _ in named]) if stacked else [0] * len(named)):
@@ -127,21 +123,9 @@ def _inside_block(name: str) -> str:
     return name
 
 
-def _tp_dim_by_name(name: str, shape: tuple[int, ...]) -> int | None:
-    parts = name.split(".")
-    owner, kind = ".".join(parts[:-1]), parts[-1]
-    if any(owner == c or owner.endswith("." + c) for c in _COLUMN):
-        return 0
-    if any(owner == r or owner.endswith("." + r) for r in _ROW):
-        return 1 if kind == "weight" else None
-    if any(owner == v or owner.endswith("." + v) for v in _VOCAB):
-        return 0
-    return None
-
-
 def _places(names: Sequence[str]) -> list[int | str]:
-    """Each parameter's layer (``dataparallel``'s FSDP unit), or the pipeline end it sits at."""
-    units = [_DataParallel.unit_of(None, name) for name in names]
+    """Each parameter's layer (``data_parallel``'s FSDP unit), or the pipeline end it sits at."""
+    units = [unit_of(name) for name in names]
     first = next((i for i, unit in enumerate(units) if unit >= 0), len(units))
     return [unit if unit >= 0 else ("first" if i < first else "last") for i, unit in enumerate(units)]
 

@@ -7,16 +7,21 @@ import math
 from .replay import _Buf, _shard_numel
 
 
+def unit_of(name: str) -> int:
+    """The FSDP unit (block index, or -1 for the root: embeddings, final norm, head) a parameter is in."""
+    parts = name.split(".")
+    for part, index in zip(parts, parts[1:]):   # blocks.3. / layers.3. / model.layers.3. / transformer.h.3.
+        if part in ("blocks", "layers", "h") and index.isdigit():
+            return int(index)
+    return -1
+
+
 class _DataParallel:
     """Mixin of ``_Step``: what each rank holds and gathers, phase by phase."""
 
     def unit_of(self, name: str) -> int:
-        """The FSDP unit (block index, or -1 for the root: embeddings, final norm, head) a parameter is in."""
-        parts = name.split(".")
-        for part, index in zip(parts, parts[1:]):   # blocks.3. / layers.3. / model.layers.3. / transformer.h.3.
-            if part in ("blocks", "layers", "h") and index.isdigit():
-                return int(index)
-        return -1
+        """The FSDP unit a parameter is in (``unit_of``)."""
+        return unit_of(name)
 
     def gather(self, unit: int) -> None:
         """FSDP all-gathers a unit's parameters (every parameter, frozen ones too) before using them."""

@@ -1,5 +1,8 @@
 """Fewer bits (notebook 10): a 4-bit NF4 base under LoRA, peft's upcast, pure bf16 with stochastic rounding or Kahan, FP8.
 
+(Named apart from ``utils/lowbit.py``, the instruments notebook 10 measures with; this is what the calculator
+replays of them. Pure bf16 AdamW's update itself is replayed with the other optimizers, in ``optimizers.py``.)
+
 The options are ``TrainingSetup`` fields (``base_quant``, ``quant_block``, ``kbit_prepared``, ``bf16_rounding``,
 ``fp8``); ``predict`` replays their step with ``_LowBitStep``, the ordinary step whose parameters and Linear
 layers this module changes. What each one changes, and how far the replay goes:
@@ -35,9 +38,9 @@ layers this module changes. What each one changes, and how far the replay goes:
 
 from __future__ import annotations
 
+from . import registry
 from .config import ModelConfig, TrainingSetup
 from .replay import _Node, _Replay, _T
-from .shapes import _linears, parameter_shapes
 from .step import _Step
 
 NF4_SCALE_BLOCK = 256                      # absmaxes per fp32 scale of the second quantisation (QLoRA's 256)
@@ -50,23 +53,22 @@ def lowbit_on(setup: TrainingSetup) -> bool:
 
 
 def block_linear_weights(model: ModelConfig, setup: TrainingSetup) -> dict[str, tuple[int, int]]:
-    """Every Linear weight inside the blocks: parameter name -> (out_features, in_features).
+    """Every Linear weight inside the blocks: parameter name -> (out_features, in_features) (the family's).
 
     These are what a 4-bit loader quantises (``load_in_4bit`` skips only the head) and what FP8 recipes convert.
     """
-    if model.is_hf:
-        from .hf_llama import hf_lora_targets, hf_linears
+    return registry.family_of(model.arch).block_linear_weights(model, setup)
 
-        targets = hf_lora_targets(model, setup)
-        out = {}
-        for layer in range(model.num_layers):
-            for path, fan_in, fan_out, _ in hf_linears(model):
-                base = path + (".base_layer" if path.rsplit(".", 1)[1] in targets else "")
-                out[f"model.layers.{layer}.{base}.weight"] = (fan_out, fan_in)
-        return out
-    prefix = "blocks" if model.arch == "gpt" else "layers"
-    return {f"{prefix}.{layer}.{name}.weight": (fan_out, fan_in)
-            for layer in range(model.num_layers) for name, fan_in, fan_out, _ in _linears(model)}
+
+def nf4_storage_bytes(numel: int, block_size: int = 64, double_quant: bool = True,
+                      scale_block_size: int = NF4_SCALE_BLOCK) -> int:
+    """Bytes of a weight in NF4 as notebook 10 stores it (``utils.lowbit.nf4_storage_bytes`` without torch): two
+    4-bit codes per byte, an fp32 absmax per block, or, double-quantised, int8 absmaxes with an fp32 scale per
+    ``scale_block_size`` of them and one fp32 offset."""
+    blocks = numel // block_size
+    if not double_quant:
+        return numel // 2 + 4 * blocks
+    return numel // 2 + blocks + 4 * -(-blocks // scale_block_size) + 4
 
 
 def check_lowbit(model: ModelConfig, setup: TrainingSetup) -> None:
@@ -75,12 +77,12 @@ def check_lowbit(model: ModelConfig, setup: TrainingSetup) -> None:
     Raises:
         ValueError: a ``quant_block`` that does not divide a weight (the message names it and the sizes that do).
     """
+    if setup.base_quant == "none" and not setup.fp8:
+        return
+    weights = block_linear_weights(model, setup)      # a design without them refuses here
     if setup.base_quant == "none":
         return
-    if model.arch == "hf-gpt2":
-        raise ValueError("a 4-bit base is modelled for the Llama family and the course's designs: expected "
-                         "model_type llama, mistral or qwen2")
-    for name, (fan_out, fan_in) in block_linear_weights(model, setup).items():
+    for name, (fan_out, fan_in) in weights.items():
         if (fan_out * fan_in) % setup.quant_block:
             fits = [b for b in (32, 64, 128, 256) if (fan_out * fan_in) % b == 0]
             raise ValueError(f"quant_block {setup.quant_block} does not divide {name} ({fan_out} x {fan_in} "
@@ -89,15 +91,13 @@ def check_lowbit(model: ModelConfig, setup: TrainingSetup) -> None:
 
 def parameter_bytes(model: ModelConfig, setup: TrainingSetup) -> dict[str, int]:
     """Bytes of each parameter whose storage the options change (NF4 weights; fp32 after peft's upcast)."""
-    from ..lowbit import nf4_storage_bytes
-
     out: dict[str, int] = {}
     nf4 = block_linear_weights(model, setup) if setup.base_quant != "none" else {}
     for name, (fan_out, fan_in) in nf4.items():
         out[name] = nf4_storage_bytes(fan_out * fan_in, setup.quant_block, setup.base_quant == "nf4-double",
                                       NF4_SCALE_BLOCK)
     if setup.kbit_prepared:
-        for name, shape, trainable in parameter_shapes(model, setup):
+        for name, shape, trainable in registry.family_of(model.arch).parameter_shapes(model, setup):
             if name not in out and not trainable:
                 numel = 1
                 for size in shape:
@@ -220,67 +220,3 @@ class _LowBitStep(_LowBit, _Step):
     def __init__(self, model: ModelConfig, setup: TrainingSetup, trace: bool = False) -> None:
         super().__init__(model, setup, trace)
         self.lowbit_setup()
-
-
-def adamw_bf16_temporaries(r: _Replay, leaves: list, rounding: str) -> None:
-    """``utils.lowbit.AdamWBF16.step``, one parameter at a time: fp32 temporaries, some living on to the next.
-
-    The loop's locals (``grad``, ``m``, ``v``, ``update``) are rebound per parameter, so each one of the
-    previous parameter is freed only when its successor exists.
-    """
-    grad = m = v = update = None
-    for leaf in leaves:
-        n, item = leaf.numel, leaf.item
-
-        def f32(label: str) -> _T | None:               # .float() of a bf16 tensor: a copy (of fp32: itself)
-            return r.new(n, 4, "temporaries", label) if item != 4 else None
-
-        new = r.new(n, 4, "temporaries", "grad.float()") if item != 4 else None
-        r.rel(grad)
-        grad = new
-        for name in ("m", "v"):                           # s[name].float().lerp_(...) / .mul_().addcmul_()
-            new = f32(f"{name}.float()")
-            if name == "m":
-                r.rel(m)
-                m = new
-            else:
-                r.rel(v)
-                v = new
-        a = r.new(n, 4, "temporaries", "m / bias_correction1")
-        scaled = r.new(n, 4, "temporaries", "-lr * m_hat")
-        r.rel(a)
-        c = r.new(n, 4, "temporaries", "v / bias_correction2")
-        root = r.new(n, 4, "temporaries", "sqrt()")
-        r.rel(c)
-        denom = r.new(n, 4, "temporaries", "+ eps")
-        r.rel(root)
-        new = r.new(n, 4, "temporaries", "update")
-        r.rel(scaled, denom, update)
-        update = new
-        weights = f32("p.float()")                        # update -= lr * weight_decay * p.float()
-        decay = r.new(n, 4, "temporaries", "lr * weight_decay * p")
-        r.rel(weights, decay)
-        if rounding == "kahan":                           # add_kahan_(p, update, c)
-            weights = f32("weight.float()")
-            comp = f32("compensation.float()")
-            total = r.new(n, 4, "temporaries", "update + compensation")
-            r.rel(comp)
-            exact = r.new(n, 4, "temporaries", "exact")
-            r.rel(weights, total)
-            weights = f32("weight.float()")
-            rest = r.new(n, 4, "temporaries", "exact - weight")
-            r.rel(weights, rest, exact)
-        else:
-            weights = f32("p.float()")
-            exact = r.new(n, 4, "temporaries", "p + update")
-            r.rel(weights)
-            if rounding == "stochastic":                  # round_stochastic(exact)
-                noise = r.new(n, 4, "temporaries", "noise")
-                summed = r.new(n, 4, "temporaries", "bits + noise")
-                cut = r.new(n, 4, "temporaries", "& -65536")
-                r.rel(summed)
-                rounded = r.new(n, 2, "temporaries", ".to(bfloat16)")
-                r.rel(cut, noise, exact, rounded)
-            else:
-                r.rel(exact)
-    r.rel(grad, m, v, update)
