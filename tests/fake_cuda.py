@@ -526,3 +526,107 @@ class _MirrorMode(TorchDispatchMode):
         block = self.blocks.pop(key, None)
         if block is not None:
             block.free()
+
+
+# --- running code written for a GPU: CUDA tensors made on the CPU, kernels timed by a simple model -------------
+# Added for notebooks 04 and 06 (issue 42): their GPU-only branches (TF32 as a format, bf16 against TF32, the roofs
+# and the overhead verdict) run in a test as they would on a card, with the times a stated device model gives.
+
+def _cpu_device(value: Any) -> Any:
+    """``"cuda"``, ``"cuda:1"`` or a CUDA ``torch.device`` -> the CPU; anything else unchanged."""
+    if isinstance(value, str) and value.split(":")[0] == "cuda":
+        return "cpu"
+    if isinstance(value, torch.device) and value.type == "cuda":
+        return torch.device("cpu")
+    return value
+
+
+class _OnTheFakeDevice(torch.overrides.TorchFunctionMode):
+    """Code that makes CUDA tensors (``device="cuda"``, ``.to(device)``, ``.cuda()``, ``pin_memory()``) gets CPU
+    tensors instead, so a GPU branch runs on a CPU-only build. The tensors say ``device.type == "cpu"``: code that
+    reads the device from a tensor takes its CPU path (autocast's device type, for one), code that reads it from the
+    device it was given (``time_fn(fn, DEVICE)``) takes the CUDA path, against the fake."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = {key: _cpu_device(value) if key == "device" else value for key, value in (kwargs or {}).items()}
+        name = getattr(func, "__name__", "")
+        if name == "cuda" or name == "pin_memory":
+            return args[0]                       # already "on the device"; a CPU-only build cannot pin
+        if name == "to":
+            args = tuple(_cpu_device(arg) for arg in args)
+        return func(*args, **kwargs)
+
+
+@dataclass
+class GpuModel:
+    """How long a kernel takes on the simulated card: a launch cost per kernel, matmuls at a rate per format
+    (fp32 at ``tf32_tflops`` while ``torch.backends.cuda.matmul.fp32_precision == "tf32"``), every other kernel at
+    the memory bandwidth (the bytes of the tensors it reads and writes, each once). Views launch nothing. Round,
+    H100-like defaults; no figure a test derives from them says anything about a real card."""
+
+    launch_us: float = 5.0
+    fp32_tflops: float = 50.0
+    tf32_tflops: float = 400.0
+    bf16_tflops: float = 800.0
+    fp16_tflops: float = 800.0
+    bandwidth_gbs: float = 3000.0
+
+    def matmul_tflops(self, dtype: torch.dtype) -> float:
+        if dtype == torch.float32:
+            return self.tf32_tflops if torch.backends.cuda.matmul.fp32_precision == "tf32" else self.fp32_tflops
+        return {torch.bfloat16: self.bf16_tflops, torch.float16: self.fp16_tflops}.get(dtype, self.fp32_tflops)
+
+
+class _SimulatedKernels(TorchDispatchMode):
+    """Queues each aten op's modelled time on a fake device's stream (``FakeCuda.launch``), so that ``time_fn`` on
+    the fake device measures the model's time, and counts the kernels launched."""
+
+    MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm")
+
+    def __init__(self, fake: "FakeCuda", device: FakeDevice, model: GpuModel) -> None:
+        super().__init__()
+        self.fake, self.device, self.model = fake, device, model
+        self.kernels = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        in_storages = {t.untyped_storage()._cdata for t in inputs}
+        if not func._schema.is_mutable and outputs and all(t.untyped_storage()._cdata in in_storages
+                                                           for t in outputs):
+            return out                              # a view (t, view, expand, detach): no kernel
+        name = func.__name__.split(".")[0]
+        if name in self.MATMUL_OPS:
+            first = [t for t in inputs if t.dim() >= 2][0]
+            flops = 2 * math.prod(outputs[0].shape) * first.shape[-1]
+            work_ms = flops / (self.model.matmul_tflops(outputs[0].dtype) * 1e12) * 1e3
+        else:
+            touched = {t.untyped_storage()._cdata: t.numel() * t.element_size() for t in inputs + outputs}
+            moved = sum(touched.values())           # each tensor read or written once (copy_: source and target)
+            work_ms = moved / (self.model.bandwidth_gbs * 1e9) * 1e3
+        self.kernels += 1
+        self.fake.launch(self.model.launch_us / 1e3 + work_ms, self.device.index)
+        return out
+
+
+def _run_as_gpu(self: FakeCuda, model: GpuModel | None = None, device: Any = None):
+    """Within the block, code written for a GPU runs on the CPU against this fake: CUDA tensors are made on the
+    CPU (``_OnTheFakeDevice``) and every kernel queues the time ``model`` gives it on the fake device's stream
+    (``_SimulatedKernels``). Yields the kernel counter (``.kernels``).
+
+    Example:
+        >>> with fake.run_as_gpu(GpuModel(tf32_tflops=400)):
+        ...     timing = utils.time_fn(lambda: a @ b, "cuda")     # the modelled matmul time, read with fake events
+    """
+    simulated = _SimulatedKernels(self, self.device(device), model or GpuModel())
+
+    @contextlib.contextmanager
+    def block() -> Iterator[_SimulatedKernels]:
+        with _OnTheFakeDevice(), simulated:
+            yield simulated
+
+    return block()
+
+
+FakeCuda.run_as_gpu = _run_as_gpu

@@ -319,3 +319,53 @@ def test_classify_bottleneck_order_and_bad_input():
 def test_trace_file_written_by_export_is_json(profiled):
     _, path = profiled
     assert isinstance(json.loads(path.read_text())["traceEvents"], list)
+
+
+def test_classify_bottleneck_calls_a_part_overhead_bound_when_its_fixed_costs_exceed_its_roofline_time():
+    """Issue 42: a point whose launches alone take longer than the roofline allows for its work is overhead-bound,
+    not bandwidth-bound, however low its intensity; data still comes first; both times are needed together."""
+    from utils.profiling import OVERHEAD_VERDICT
+    assert OVERHEAD_VERDICT == "overhead-bound" and OVERHEAD_VERDICT not in utils.BOTTLENECK_VERDICTS
+    assert utils.classify_bottleneck(0.05, 1.0, 8.0, overhead_ms=0.2, roofline_ms=0.08) == "overhead-bound"
+    assert utils.classify_bottleneck(0.05, 1.0, 8.0, overhead_ms=0.05, roofline_ms=0.08) == "bandwidth-bound"
+    assert utils.classify_bottleneck(0.05, 100.0, 8.0, overhead_ms=0.05, roofline_ms=0.08) == "compute-bound"
+    assert utils.classify_bottleneck(0.05, 100.0, 8.0, overhead_ms=0.08, roofline_ms=0.08) == "overhead-bound"
+    assert utils.classify_bottleneck(0.5, 1.0, 8.0, overhead_ms=1.0, roofline_ms=0.01) == "data-bound"
+    with pytest.raises(ValueError, match="together"):
+        utils.classify_bottleneck(0.1, 1.0, 1.0, overhead_ms=0.1)
+    with pytest.raises(ValueError, match="roofline_ms"):
+        utils.classify_bottleneck(0.1, 1.0, 1.0, overhead_ms=0.1, roofline_ms=0.0)
+
+
+def test_record_timing_files_a_time_with_its_noise_band(tmp_path, monkeypatch):
+    """06 files its times (a sample, a step) with their bands, so that the README shows them as it shows ratios."""
+    from tools.readme_results import _value
+    monkeypatch.setenv("PYTORCH_INTRO_BUILD_DIR", str(tmp_path))
+    results = utils.Results("06_profiling_where_the_time_goes", "cpu")
+    timing = utils.Timing("CPU", (10.0, 11.0, 12.0, 13.0, 14.0), warmup=1)
+    assert results.record_timing("model_step_ms", timing) == 12.0
+    assert results.record_timing("sample_ms", timing, scale=1 / 4) == 3.0
+    saved = utils.load_results("06_profiling_where_the_time_goes", tmp_path / "results")["figures"]
+    assert saved["model_step_ms"]["unit"] == "ms" and saved["model_step_ms"]["noise"] == pytest.approx(2 / 12)
+    assert saved["sample_ms"]["noise"] == pytest.approx(2 / 12), "the band is relative: a per-sample time keeps it"
+    assert "±17 %" in _value(saved["model_step_ms"]) and "spread not recorded" not in _value(saved["model_step_ms"])
+    with pytest.raises(ValueError, match="scale"):
+        results.record_timing("bad", timing, scale=0)
+
+
+def test_range_median_ms_ignores_one_stretched_call():
+    """The overhead twin's time is a median over its calls, so one call a busy machine stretched does not move it."""
+    import time as time_module
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from utils.profiling import range_median_ms
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for pause in (0.002, 0.002, 0.05, 0.002, 0.002):
+            with record_function("forward"):
+                time_module.sleep(pause)
+    assert 1.5 <= range_median_ms(prof, "forward") < 20
+    assert utils.range_times_ms(prof, ["forward"])["forward"] >= 50
+    with pytest.raises(ValueError, match="no range named 'backward'"):
+        range_median_ms(prof, "backward")
+    with pytest.raises(TypeError):
+        range_median_ms(object(), "forward")

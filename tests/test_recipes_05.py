@@ -33,8 +33,9 @@ def _compare(train, model, batches, loss_fn, tolerance):
     compiled = torch.compile(model, backend=BACKEND)
     assert {id(p) for p in compiled.parameters()} == {id(p) for p in model.parameters()}, "the same parameters"
     inputs, labels = batches[0]
-    loss_fn(compiled(inputs), labels).backward()
-    loss_fn(eager(inputs), labels).backward()
+    call = (lambda m: m(**inputs)) if isinstance(inputs, dict) else (lambda m: m(inputs))
+    loss_fn(call(compiled), labels).backward()
+    loss_fn(call(eager), labels).backward()
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=tolerance, atol=tolerance)
         p.grad = q.grad = None
@@ -71,3 +72,74 @@ def test_compiled_under_bf16_autocast(train):
                 return self.inner(tokens)
 
     _compare(train, Autocast(FusedQKVModel()), [(tokens, labels)] * 3, autocast_loss, 2.0 ** -6)
+
+
+# --- issue 38: the shifted causal-LM loss, every family the recipe applies to, dict inputs -------------------------
+
+from tests.recipe_models import (CAUSAL_LM_FAMILIES, EncoderClassifier, batchnorm_convnet,  # noqa: E402
+                                 padded_dict_batches)
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return run_recipe("05")
+
+
+def _split(batch: dict) -> tuple[dict, torch.Tensor]:
+    return {key: value for key, value in batch.items() if key != "labels"}, batch["labels"]
+
+
+@pytest.mark.parametrize("family", list(CAUSAL_LM_FAMILIES))
+def test_causal_lm_loss_equals_the_models_own_loss(recipe, family):
+    """The loss the notebook suggests is ``model(..., labels=labels).loss`` (logits at t against the label at t + 1)
+    on right-padded batches; the unshifted loss is not. (The next test runs it on each family compiled.)"""
+    model = CAUSAL_LM_FAMILIES[family]().eval()
+    for batch in padded_dict_batches(4, size=8):
+        inputs, labels = _split(batch)
+        with torch.no_grad():
+            output, expected = model(**inputs), model(**batch).loss
+            suggested = recipe["causal_lm_loss"](output, labels)
+            unshifted = nn.functional.cross_entropy(output.logits.float().flatten(0, 1), labels.flatten())
+        assert abs(float(suggested - expected)) <= 4 * torch.finfo(torch.float32).eps * float(expected)
+        assert abs(float(unshifted - expected)) > 1e-3
+
+
+def _lm_batches(family: str) -> list:
+    return [_split(batch) for batch in padded_dict_batches(4, size=8)] * 2
+
+
+@pytest.mark.parametrize("family", list(CAUSAL_LM_FAMILIES))
+def test_compiled_causal_lm_trains_like_eager_with_dict_inputs(train, recipe, family):
+    """Each family through the recipe's loop, compiled against eager (GPT-2 without dropout here, so that both runs
+    draw the same masks: none; the next test trains it with dropout on)."""
+    model = CAUSAL_LM_FAMILIES[family](**({"dropout": 0.0} if family == "gpt2" else {}))
+    tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 2.0 ** -6
+    _compare(train, model, _lm_batches(family), recipe["causal_lm_loss"], tolerance)
+
+
+def test_compiled_gpt2_with_dropout_trains(train, recipe):
+    torch._dynamo.reset()
+    compiled = torch.compile(CAUSAL_LM_FAMILIES["gpt2"](), backend=BACKEND)      # dropout 0.1, training mode
+    _, losses = train(compiled, _lm_batches("gpt2") * 2, recipe["causal_lm_loss"])
+    assert losses[-1] < losses[0]
+
+
+def test_compiled_encoder_classifier_with_a_padding_mask(train):
+    batches = [(inputs, torch.arange(len(labels)) % 3) for inputs, labels in
+               (_split(b) for b in padded_dict_batches(4, size=8, vocab=64))] * 2
+    _compare(train, EncoderClassifier(), batches, nn.functional.cross_entropy, 1e-4)
+
+
+def test_compiled_batchnorm_convnet_updates_its_running_statistics_like_eager(train):
+    """BatchNorm's running statistics are buffers the compiled graph updates in place: the same as eager's."""
+    torch._dynamo.reset()
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 3, 8, 8, generator=generator), torch.randint(0, 5, (8,), generator=generator))] * 3
+    model = batchnorm_convnet()
+    eager = copy.deepcopy(model)
+    _, compiled_losses = train(torch.compile(model, backend=BACKEND), batches)
+    _, eager_losses = train(eager, batches)
+    assert compiled_losses == pytest.approx(eager_losses, rel=1e-4)
+    for (name, buffer), other in zip(model.named_buffers(), eager.buffers()):
+        torch.testing.assert_close(buffer, other, rtol=1e-4, atol=1e-5, msg=name)
+    assert int(model[0][1].num_batches_tracked) == len(batches)

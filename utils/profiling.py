@@ -29,9 +29,9 @@ from torch.utils.data import Dataset, get_worker_info
 from .checks import non_negative_int, positive_int, positive_number
 
 __all__ = [
-    "BOTTLENECK_VERDICTS", "DataWaitTimer", "RandomDrawDataset", "SyntheticImageDataset", "classify_bottleneck",
-    "linear_arithmetic_intensity", "linear_flops", "range_times_ms", "recommend_num_workers", "seed_worker",
-    "step_breakdown_ms", "validate_trace", "workers_needed",
+    "BOTTLENECK_VERDICTS", "OVERHEAD_VERDICT", "DataWaitTimer", "RandomDrawDataset", "SyntheticImageDataset",
+    "classify_bottleneck", "linear_arithmetic_intensity", "linear_flops", "range_median_ms", "range_times_ms",
+    "recommend_num_workers", "seed_worker", "step_breakdown_ms", "validate_trace", "workers_needed",
 ]
 
 
@@ -314,6 +314,37 @@ def range_times_ms(prof: Any, names: Sequence[str]) -> dict[str, float]:
     return {name: totals[name] / 1e3 for name in wanted}
 
 
+def range_median_ms(prof: Any, name: str) -> float:
+    """The median host time (ms) of one ``record_function`` range over its calls in a finished profiler.
+
+    ``range_times_ms`` adds every call up; a median ignores the odd call that a busy machine stretched, which
+    matters when a small time is compared with another (notebook 06's overhead twin against the roofline).
+
+    Args:
+        prof: a ``torch.profiler.profile`` after its run.
+        name: the range's name, e.g. ``"forward"``.
+
+    Returns:
+        The median duration of the host-side events of that name, in ms.
+
+    Raises:
+        TypeError: ``prof`` has no ``events`` or ``name`` is not a string.
+        ValueError: no host event of that name was recorded.
+
+    Example:
+        >>> overhead_ms = range_median_ms(twin_prof, "forward")
+    """
+    if not callable(getattr(prof, "events", None)):
+        raise TypeError(f"prof must be a torch.profiler.profile after its run, got {type(prof).__name__}")
+    (name,) = _names([name])
+    durations = sorted(event.cpu_time_total / 1e3 for event in prof.events()
+                       if event.name == name and getattr(event, "device_type", DeviceType.CPU) == DeviceType.CPU)
+    if not durations:
+        raise ValueError(f"no range named {name!r} was recorded on the host")
+    middle = len(durations) // 2
+    return durations[middle] if len(durations) % 2 else (durations[middle - 1] + durations[middle]) / 2
+
+
 def _load_trace(trace: Mapping | str | Path) -> dict:
     if isinstance(trace, Mapping):
         return dict(trace)
@@ -524,16 +555,26 @@ def recommend_num_workers(sample_ms: float, batch_size: int, step_ms: float, cpu
 
 
 BOTTLENECK_VERDICTS = ("data-bound", "bandwidth-bound", "compute-bound")
+#: the verdict for a step whose time is mostly the fixed cost of its ops (Python, dispatch, kernel launches)
+OVERHEAD_VERDICT = "overhead-bound"
 
 
 def classify_bottleneck(data_wait_fraction: float, arithmetic_intensity: float, machine_balance: float, *,
-                        data_threshold: float = 0.3) -> str:
-    """BEE-30091's three signatures as a rule applied to measurements, in its order: data first.
+                        data_threshold: float = 0.3, overhead_ms: float | None = None,
+                        roofline_ms: float | None = None) -> str:
+    """BEE-30091's three signatures as a rule applied to measurements, in its order (data first), with the
+    overhead-bound regime that the roofline alone cannot see.
 
     - data-bound: the loop waits for data for at least ``data_threshold`` of its step;
-    - otherwise bandwidth-bound: the step's arithmetic intensity (FLOP/byte) is below the
-      machine's balance point (measured peak FLOP/s divided by measured bytes/s), so memory
-      traffic, not arithmetic, sets the pace (the roofline model);
+    - overhead-bound (when ``overhead_ms`` and ``roofline_ms`` are given): the fixed cost of the part's ops alone
+      (Python, dispatch, kernel launches: ``overhead_ms``, measured as the same sequence of ops on tensors too
+      small to carry any work) is at least the time the roofline allows for its work (``roofline_ms``: its FLOPs
+      over its roof, the lower of peak FLOP/s and bandwidth x intensity). Such a point sits far below its roof
+      however high the roof is: neither more bandwidth nor more FLOP/s would speed it up, fewer launches would
+      (notebook 05's third regime: fusion, CUDA graphs);
+    - otherwise bandwidth-bound: the step's arithmetic intensity (FLOP/byte) is below the machine's balance
+      point (measured peak FLOP/s divided by measured bytes/s), so memory traffic, not arithmetic, sets the
+      pace (the roofline model);
     - otherwise compute-bound.
 
     Args:
@@ -541,9 +582,19 @@ def classify_bottleneck(data_wait_fraction: float, arithmetic_intensity: float, 
         arithmetic_intensity: FLOPs per byte of the step's work (``linear_arithmetic_intensity``).
         machine_balance: peak FLOP/s divided by memory bandwidth in bytes/s (FLOP/byte).
         data_threshold: the data share above which data loading is the bottleneck.
+        overhead_ms: the measured fixed cost of the part's ops (ms), or None when it was not measured.
+        roofline_ms: the time the roofline allows for the part's work (ms); given with ``overhead_ms``.
 
     Returns:
-        One of ``BOTTLENECK_VERDICTS``.
+        ``"data-bound"``, ``OVERHEAD_VERDICT`` (``"overhead-bound"``), ``"bandwidth-bound"`` or ``"compute-bound"``.
+
+    Raises:
+        ValueError: a share outside [0, 1], a non-positive intensity, balance or time, or only one of
+            ``overhead_ms`` and ``roofline_ms``.
+
+    Example:
+        >>> classify_bottleneck(0.05, 1.0, 8.0, overhead_ms=0.2, roofline_ms=0.08)
+        'overhead-bound'
     """
     if isinstance(data_wait_fraction, bool) or not isinstance(data_wait_fraction, (int, float)) \
             or not 0.0 <= data_wait_fraction <= 1.0:
@@ -552,8 +603,16 @@ def classify_bottleneck(data_wait_fraction: float, arithmetic_intensity: float, 
     machine_balance = positive_number("machine_balance", machine_balance)
     if isinstance(data_threshold, bool) or not isinstance(data_threshold, (int, float)) or not 0 < data_threshold < 1:
         raise ValueError(f"data_threshold must be in (0, 1), got {data_threshold!r}")
+    if (overhead_ms is None) != (roofline_ms is None):
+        raise ValueError("give overhead_ms and roofline_ms together (the fixed cost of the ops against the time the "
+                         f"roofline allows), got overhead_ms={overhead_ms!r}, roofline_ms={roofline_ms!r}")
+    if overhead_ms is not None:
+        overhead_ms = positive_number("overhead_ms", overhead_ms)
+        roofline_ms = positive_number("roofline_ms", roofline_ms)
     if data_wait_fraction >= data_threshold:
         return "data-bound"
+    if overhead_ms is not None and overhead_ms >= roofline_ms:
+        return OVERHEAD_VERDICT
     if arithmetic_intensity < machine_balance:
         return "bandwidth-bound"
     return "compute-bound"

@@ -21,7 +21,7 @@ import torch
 from .env import build_dir, check_mode, device_name, environment_report
 
 if TYPE_CHECKING:
-    from .timing import Comparison
+    from .timing import Comparison, Timing
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,25 @@ class Results:
         value = self.record(name, comparison.ratio, "x", note)
         self.figures[name] = Figure(name, float(value), "x", device_name(self.device), note,
                                     noise=float(comparison.noise), verdict=comparison.verdict)
+        self.save()
+        return value
+
+    def record_timing(self, name: str, timing: "Timing", note: str = "", *, scale: float = 1.0) -> float:
+        """Record a measured time (the median of ``timing``, in ms) with its relative noise band (IQR / median).
+
+        For a time that is not a ratio (a step, a sample), so that the README prints it with its band as it does a
+        ``record_comparison`` figure. ``scale`` multiplies the median (``1 / batch_size`` for a per-sample time from
+        a timed batch); the band is relative, so it does not change.
+
+        Example:
+            >>> results.record_timing("model_step_ms", utils.time_fn(step, device, repeats=10))
+        """
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+        median = timing.median_ms
+        value = self.record(name, median * scale, "ms", note)
+        noise = timing.spread_ms / median if median > 0 else 0.0
+        self.figures[name] = Figure(name, float(value), "ms", device_name(self.device), note, noise=float(noise))
         self.save()
         return value
 

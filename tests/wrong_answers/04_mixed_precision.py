@@ -2,74 +2,126 @@
 
 WRONG = {
     "exercise_1": {
-        "overflows only strictly above max (values within half a step of it round to inf too)": '''
+        'overflows only strictly above max (values within half a step of it round to inf too)': '''
 def classify(value, dtype):
     info = torch.finfo(dtype)
+    sub = info.tiny * info.eps
+    top = 2.0 ** (math.floor(math.log2(info.max)) + 1)
     if value > info.max:
         return "overflow"
-    if value <= info.tiny * info.eps / 2:
+    if value <= sub / 2:
         return "underflow"
-    return "subnormal" if value < info.tiny else "normal"
+    return "subnormal" if value < info.tiny - sub / 2 else "normal"
 ''',
-        "underflows below the smallest subnormal (values above half of it round up to it)": '''
+        "overflows only strictly past the halfway tie (the tie rounds to inf: max's last mantissa bit is odd)": '''
 def classify(value, dtype):
     info = torch.finfo(dtype)
+    sub = info.tiny * info.eps
+    top = 2.0 ** (math.floor(math.log2(info.max)) + 1)
+    if value > top * (1 - info.eps / 4):
+        return "overflow"
+    if value <= sub / 2:
+        return "underflow"
+    return "subnormal" if value < info.tiny - sub / 2 else "normal"
+''',
+        'underflows below the smallest subnormal (values above half of it round up to it)': '''
+def classify(value, dtype):
+    info = torch.finfo(dtype)
+    sub = info.tiny * info.eps
     top = 2.0 ** (math.floor(math.log2(info.max)) + 1)
     if value >= top * (1 - info.eps / 4):
         return "overflow"
-    if value < info.tiny * info.eps:
+    if value < sub:
         return "underflow"
-    return "subnormal" if value < info.tiny else "normal"
+    return "subnormal" if value < info.tiny - sub / 2 else "normal"
 ''',
-        "takes epsilon for the smallest number": '''
+        'keeps half the smallest subnormal (a tie goes to the even neighbour: 0)': '''
 def classify(value, dtype):
     info = torch.finfo(dtype)
+    sub = info.tiny * info.eps
+    top = 2.0 ** (math.floor(math.log2(info.max)) + 1)
+    if value >= top * (1 - info.eps / 4):
+        return "overflow"
+    if value < sub / 2:
+        return "underflow"
+    return "subnormal" if value < info.tiny - sub / 2 else "normal"
+''',
+        'takes epsilon for the smallest number': '''
+def classify(value, dtype):
+    info = torch.finfo(dtype)
+    sub = info.tiny * info.eps
     top = 2.0 ** (math.floor(math.log2(info.max)) + 1)
     if value >= top * (1 - info.eps / 4):
         return "overflow"
     if value < info.eps:
         return "underflow"
-    return "subnormal" if value < info.tiny else "normal"
+    return "subnormal" if value < info.tiny - sub / 2 else "normal"
 ''',
         "reads fp32's limits whatever the dtype": '''
 def classify(value, dtype):
     info = torch.finfo(torch.float32)
+    sub = info.tiny * info.eps
     top = 2.0 ** (math.floor(math.log2(info.max)) + 1)
     if value >= top * (1 - info.eps / 4):
         return "overflow"
-    if value <= info.tiny * info.eps / 2:
+    if value <= sub / 2:
+        return "underflow"
+    return "subnormal" if value < info.tiny - sub / 2 else "normal"
+''',
+        'subnormal up to the smallest normal (within half a subnormal step of it, a value rounds up to it)': '''
+def classify(value, dtype):
+    info = torch.finfo(dtype)
+    sub = info.tiny * info.eps
+    top = 2.0 ** (math.floor(math.log2(info.max)) + 1)
+    if value >= top * (1 - info.eps / 4):
+        return "overflow"
+    if value <= sub / 2:
         return "underflow"
     return "subnormal" if value < info.tiny else "normal"
 ''',
-            "the smallest normal itself counted as subnormal (<= instead of <)": '''
+        'the tie below the smallest normal counted as subnormal (<= instead of <)': '''
 def classify(value, dtype):
     info = torch.finfo(dtype)
+    sub = info.tiny * info.eps
     top = 2.0 ** (math.floor(math.log2(info.max)) + 1)
     if value >= top * (1 - info.eps / 4):
         return "overflow"
-    if value <= info.tiny * info.eps / 2:
+    if value <= sub / 2:
         return "underflow"
-    return "subnormal" if value <= info.tiny else "normal"
+    return "subnormal" if value <= info.tiny - sub / 2 else "normal"
 ''',
-        "no subnormals: everything below the smallest normal flushes to zero": '''
+        'no subnormals: everything below the smallest normal flushes to zero': '''
 def classify(value, dtype):
     info = torch.finfo(dtype)
+    sub = info.tiny * info.eps
     top = 2.0 ** (math.floor(math.log2(info.max)) + 1)
     if value >= top * (1 - info.eps / 4):
         return "overflow"
-    if value < info.tiny:
+    if value < info.tiny - sub / 2:
         return "underflow"
     return "normal"
 ''',
-        "takes finfo.min (the most negative value) for the smallest positive one": '''
+        'takes finfo.min (the most negative value) for the smallest positive one': '''
 def classify(value, dtype):
     info = torch.finfo(dtype)
+    sub = info.tiny * info.eps
     top = 2.0 ** (math.floor(math.log2(info.max)) + 1)
     if value >= top * (1 - info.eps / 4):
         return "overflow"
     if value <= abs(info.min) * info.eps / 2 and value < info.tiny:
         return "underflow"
-    return "subnormal" if value < info.tiny else "normal"
+    return "subnormal" if value < info.tiny - sub / 2 else "normal"
+''',
+        'halfway cut with a relative step everywhere: max * (1 + eps / 2) is past the tie, a bit late': '''
+def classify(value, dtype):
+    info = torch.finfo(dtype)
+    sub = info.tiny * info.eps
+    top = 2.0 ** (math.floor(math.log2(info.max)) + 1)
+    if value >= info.max * (1 + info.eps / 2):
+        return "overflow"
+    if value <= sub / 2:
+        return "underflow"
+    return "subnormal" if value < info.tiny - sub / 2 else "normal"
 ''',
     },
     "exercise_2": {
@@ -196,6 +248,66 @@ def accumulated_scaled_step(model, optimizer, scaler, micro_batches, max_norm):
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
+    return norm
+''',
+        "hard-codes the example's 4 : 3 : 1 weights: right only on that split": '''
+def accumulated_scaled_step(model, optimizer, scaler, micro_batches, max_norm):
+    total_rows = sum(len(labels) for _, labels in micro_batches)
+    for inputs, labels in micro_batches:
+        with torch.autocast(DEVICE.type, dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(inputs), labels)
+        scaler.scale(loss * [4 / 8, 3 / 8, 1 / 8][[len(l) for _, l in micro_batches].index(len(labels))]).backward()
+    scaler.unscale_(optimizer)
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+''',
+        'scales every gradient to max_norm, even one already shorter (a clip only shrinks)': '''
+def accumulated_scaled_step(model, optimizer, scaler, micro_batches, max_norm):
+    total_rows = sum(len(labels) for _, labels in micro_batches)
+    for inputs, labels in micro_batches:
+        with torch.autocast(DEVICE.type, dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(inputs), labels)
+        scaler.scale(loss * len(labels) / total_rows).backward()
+    scaler.unscale_(optimizer)
+    norm = nn.utils.clip_grad_norm_(model.parameters(), float('inf'))
+    for p in model.parameters():
+        p.grad.mul_(max_norm / norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+''',
+        'pins the scale after each step (scaler.update(2.0 ** 10)): a back-off is undone': '''
+def accumulated_scaled_step(model, optimizer, scaler, micro_batches, max_norm):
+    total_rows = sum(len(labels) for _, labels in micro_batches)
+    for inputs, labels in micro_batches:
+        with torch.autocast(DEVICE.type, dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(inputs), labels)
+        scaler.scale(loss * len(labels) / total_rows).backward()
+    scaler.unscale_(optimizer)
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update(2.0 ** 10)
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+''',
+        'rebinds each parameter to a fresh fp32 copy after the step, to be sure it stays fp32': '''
+def accumulated_scaled_step(model, optimizer, scaler, micro_batches, max_norm):
+    total_rows = sum(len(labels) for _, labels in micro_batches)
+    for inputs, labels in micro_batches:
+        with torch.autocast(DEVICE.type, dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(inputs), labels)
+        scaler.scale(loss * len(labels) / total_rows).backward()
+    scaler.unscale_(optimizer)
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    for p in model.parameters():
+        p.data = p.data.to(torch.float32, copy=True)
     return norm
 ''',
     },

@@ -50,6 +50,24 @@ def leaky_fixed(x):
     peak = y.max()
     return torch.relu(torch.where(peak > 1, y / peak, y))
 ''',
+        "divides each row by its own peak: right on 1-D inputs, a per-row max on 2-D ones": '''
+def leaky_fixed(x):
+    y = x * 3
+    peak = y.amax(dim=-1, keepdim=True)
+    return torch.nn.functional.leaky_relu(torch.where(peak > 1, y / peak, y))
+''',
+        "keeps the print: a side effect Dynamo does not put in a graph": '''
+def leaky_fixed(x):
+    y = x * 3
+    print("scaling done")
+    peak = y.max()
+    return torch.nn.functional.leaky_relu(torch.where(peak > 1, y / peak, y))
+''',
+        "clamps at 1 instead of dividing by the peak": '''
+def leaky_fixed(x):
+    y = x * 3
+    return torch.nn.functional.leaky_relu(y.clamp(max=1.0))
+''',
     },
     "exercise_2": {
         "the default: static first, dynamic only after a second shape": '''
@@ -79,6 +97,19 @@ def compile_for_variable_shapes(model, backend):
         "ignores the backend it is given": '''
 def compile_for_variable_shapes(model, backend):
     return torch.compile(model, backend="eager", dynamic=True)
+''',
+        "marks only the rows dynamic: a new length recompiles": '''
+def compile_for_variable_shapes(model, backend):
+    compiled = torch.compile(model, backend=backend)
+    def run(tokens):
+        torch._dynamo.mark_dynamic(tokens, 0)
+        return compiled(tokens)
+    return run
+''',
+        "switches Dynamo's global setting instead of passing dynamic=True: every later compile changes too": '''
+def compile_for_variable_shapes(model, backend):
+    torch._dynamo.config.assume_static_by_default = False
+    return torch.compile(model, backend=backend)
 ''',
     },
 }

@@ -92,6 +92,24 @@ def slowest_part(prof, names):
     totals = {entry.key: entry.cpu_time_total for entry in prof.key_averages() if entry.key in names}
     return min(totals, key=totals.get)
 ''',
+        "schedules two active steps whatever active_steps says: right only on the example": '''
+def profile_parts(parts, active_steps):
+    part_schedule = schedule(wait=0, warmup=1, active=2, repeat=1)
+    with profile(activities=[ProfilerActivity.CPU], schedule=part_schedule) as part_prof:
+        for _ in range(1 + active_steps):
+            for name, part in parts.items():
+                with record_function(name):
+                    part()
+            part_prof.step()
+    return part_prof
+''' + _SLOWEST_BY_TOTAL,
+        "ranks the parts by device time, as on a GPU: all zero on a CPU, so the first part wins":
+            _PROFILE_WITH_WARMUP + '''
+
+def slowest_part(prof, names):
+    totals = {entry.key: entry.device_time_total for entry in prof.key_averages() if entry.key in names}
+    return max(totals, key=totals.get)
+''',
     },
     "exercise_2": {
         "ignores the frozen layers: section 1's count, backward = 2 x forward less the first layer's input gradient": '''
@@ -157,6 +175,30 @@ def predict_step_flops(widths, batch, frozen):
         total += matmul
         if index not in frozen:
             total += 2 * matmul
+    return total
+''',
+        "an input gradient only after a trainable layer right before it, not any earlier one": '''
+def predict_step_flops(widths, batch, frozen):
+    total = 0
+    for index, (a, b) in enumerate(zip(widths, widths[1:])):
+        matmul = 2 * batch * a * b
+        total += matmul
+        if index not in frozen:
+            total += matmul
+        if index > 0 and index - 1 not in frozen:
+            total += matmul
+    return total
+''',
+        "drops the last Linear (an off-by-one in the loop over the layers)": '''
+def predict_step_flops(widths, batch, frozen):
+    total = 0
+    for index, (a, b) in enumerate(zip(widths[:-1], widths[1:-1])):
+        matmul = 2 * batch * a * b
+        total += matmul
+        if index not in frozen:
+            total += matmul
+        if any(earlier not in frozen for earlier in range(index)):
+            total += matmul
     return total
 ''',
     },

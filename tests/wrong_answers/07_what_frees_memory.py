@@ -58,6 +58,31 @@ def evaluate_fixed(eval_model, eval_batches):
             total_loss += mse_loss(eval_model(batch), batch_targets).item()
     return total_loss / sum(len(batch) for batch, _ in eval_batches)
 ''',
+        "stops the graph by freezing the model (requires_grad_(False)) and leaves it frozen": '''
+def evaluate_fixed(eval_model, eval_batches):
+    eval_model.requires_grad_(False)
+    total_loss = 0.0
+    for batch, batch_targets in eval_batches:
+        total_loss += mse_loss(eval_model(batch), batch_targets).item()
+    return total_loss / len(eval_batches)
+''',
+        "evaluates in eval mode under inference_mode, and leaves the model in eval mode": '''
+def evaluate_fixed(eval_model, eval_batches):
+    eval_model.eval()
+    total_loss = 0.0
+    with torch.inference_mode():
+        for batch, batch_targets in eval_batches:
+            total_loss += mse_loss(eval_model(batch), batch_targets).item()
+    return total_loss / len(eval_batches)
+''',
+        "weights each batch by its rows: the mean over samples, right only when the batches are equal": '''
+def evaluate_fixed(eval_model, eval_batches):
+    total_loss = 0.0
+    with torch.inference_mode():
+        for batch, batch_targets in eval_batches:
+            total_loss += mse_loss(eval_model(batch), batch_targets).item() * len(batch)
+    return total_loss / sum(len(batch) for batch, _ in eval_batches)
+''',
     },
 
     "exercise_2": {
@@ -106,6 +131,21 @@ def predict_forward_peak_bytes(batch, widths, inplace):
     else:
         candidates = [sum(hidden[:k]) + 2 * hidden[k] for k in range(len(hidden))]
     return 4 * batch * max(sum(candidates), end_of_forward)
+''',
+        "a layer's input and output only, without the activations saved before it": '''
+def predict_forward_peak_bytes(batch, widths, inplace):
+    hidden = widths[1:-1]
+    end_of_forward = sum(hidden) + widths[-1]
+    if inplace:
+        candidates = list(hidden)
+    else:
+        candidates = [2 * width for width in hidden]
+    return 4 * batch * max(candidates + [end_of_forward])
+''',
+        "section 3's uniform formula with the first hidden width for every layer: right only when they are equal": '''
+def predict_forward_peak_bytes(batch, widths, inplace):
+    H, L, C = widths[1], len(widths) - 2, widths[-1]
+    return 4 * batch * (L * H + C if inplace else max(H * (L + 1), L * H + C))
 ''',
     },
 
@@ -172,6 +212,27 @@ def attach_clipped_sgd_in_backward(sgd_model, lr, momentum, max_norm):
             sgd_optimizers[param].zero_grad(set_to_none=True)
         return clip_step_and_free
     return [p.register_hook(make_hook(p)) for p in sgd_optimizers]
+''',
+        "SGD([param], momentum, lr): positional arguments swapped, the momentum becomes the learning rate": '''
+def attach_clipped_sgd_in_backward(sgd_model, lr, momentum, max_norm):
+    sgd_optimizers = {p: torch.optim.SGD([p], momentum, lr) for p in sgd_model.parameters() if p.requires_grad}
+    def clip_step_and_free(param):
+        nn.utils.clip_grad_norm_([param], max_norm)
+        sgd_optimizers[param].step()
+        sgd_optimizers[param].zero_grad(set_to_none=True)
+    return [p.register_post_accumulate_grad_hook(clip_step_and_free) for p in sgd_optimizers]
+''',
+        "momentum SGD by hand, rebinding param.data to the new values instead of updating in place": '''
+def attach_clipped_sgd_in_backward(sgd_model, lr, momentum, max_norm):
+    velocities = {}
+    def clip_step_and_free(param):
+        nn.utils.clip_grad_norm_([param], max_norm)
+        velocity = velocities.get(param)
+        velocity = param.grad.clone() if velocity is None else velocity * momentum + param.grad
+        velocities[param] = velocity
+        param.data = param.data - lr * velocity
+        param.grad = None
+    return [p.register_post_accumulate_grad_hook(clip_step_and_free) for p in sgd_model.parameters() if p.requires_grad]
 ''',
     },
 }
