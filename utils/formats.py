@@ -130,4 +130,12 @@ def format_speed(dtype: torch.dtype, device: torch.device | str, *, repeats: int
                 times.append(time.perf_counter() - start)
         return min(times)
 
-    return FormatSpeed(dtype, device.type, fastest_s(dtype) / max(fastest_s(torch.float32), 1e-9))
+    # one thread on a CPU: with several, a busy machine's other work lands on the fp32 and the emulated format
+    # unevenly (an AVX2 CPU read ~3x with two threads under load, 300-650x with one), and the ratio is what matters
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        return FormatSpeed(dtype, device.type, fastest_s(dtype) / max(fastest_s(torch.float32), 1e-9))
+    finally:
+        torch.set_num_threads(threads)
