@@ -49,6 +49,8 @@ START_HERE: list[tuple[str, list[str]]] = [
     ("My sequences are long", ["03", "11", "08"]),
     ("One GPU is not enough", ["01", "02", "12", "13"]),
     ("My job gets preempted", ["16", "12"]),
+    ("My model is a mixture of experts", ["01", "09", "14", "12", "13"]),
+    ("I fine-tune with RL", ["01", "07", "08", "09", "15"]),
 ]
 # Reading speeds behind the estimate: prose at 200 words a minute, code at 10 lines a minute (read, not run).
 PROSE_WORDS_PER_MINUTE = 200
@@ -94,7 +96,8 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
     ],
     "04_mixed_precision": [
         ("bf16_over_fp32_forward_memory", "activation memory, bf16 autocast vs fp32"),
-        ("step_speedup_bf16", "training-step speed-up of bf16 autocast"),
+        ("step_speedup_bf16_over_tf32", "training-step speed-up of bf16 autocast over TF32 (a GPU's usual fp32)"),
+        ("step_speedup_bf16", "training-step speed-up of bf16 autocast over IEEE fp32"),
         ("fp16_gradient_subnormal_fraction", "fp32 gradient elements below fp16's normal range (subnormal or zero in fp16)"),
     ],
     "05_torch_compile": [
@@ -103,7 +106,8 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
     ],
     "06_profiling_where_the_time_goes": [
         ("wait_share_0_workers", "share of the step spent waiting for data, no loader workers"),
-        ("recommended_num_workers", "loader workers that remove the wait"),
+        ("recommended_num_workers", "loader workers recommended for this step"),
+        ("wait_share_recommended_workers", "share of the step spent waiting for data, with the recommended workers"),
     ],
     "07_what_frees_memory": [
         ("leak_bytes_per_step", "memory leaked per step by keeping the loss tensor (predicted to the byte)"),
@@ -128,6 +132,17 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
     "13_model_parallel_tp_sp_pp_cp": [
         ("tp_state_fraction_of_one_process", "model state per rank under tensor parallelism, share of one process"),
         ("gpipe_over_1f1b_stage0_activations", "first stage's activations, GPipe vs 1F1B"),
+    ],
+    "14_mixture_of_experts": [
+        ("padded_over_loop_one_token", "activations of an MoE layer padded to its busiest expert vs a loop over the "
+                                       "experts, every token on the same experts"),
+        ("ep_busiest_rank_over_mean_activations", "activations of the busiest expert-parallel rank vs the mean"),
+    ],
+    "15_when_training_generates": [
+        ("combined_levers_over_full_fine_tuning_peak",
+         "GRPO step peak, LoRA base as reference + chunked log-probs + micro-batches vs full fine-tuning with a copy"),
+        ("evaluation_crossover_answers",
+         "answers sampled at once at which an evaluation passes a training step's peak"),
     ],
     "11_long_sequences_attention_memory": [
         ("naive_over_fused_saved_bytes", "bytes kept for backward, naive attention vs the fused (flash) kernel"),
