@@ -19,7 +19,9 @@ from torch import nn
 
 import utils
 from fake_cuda import FakeCuda
-from recipe_models import FusedQKVModel, padded_tokens, run_recipe, sequential_mlp, tiny_llama
+from recipe_models import (CAUSAL_LM_FAMILIES, EncoderClassifier, FusedQKVModel, batchnorm_convnet,
+                           padded_dict_batches, padded_tokens, recipe_cells, run_recipe, sequential_mlp,
+                           tiny_llama)
 
 FP32_EPS = torch.finfo(torch.float32).eps
 BF16_EPS = torch.finfo(torch.bfloat16).eps
@@ -78,24 +80,63 @@ def _flat_grads(model: nn.Module) -> torch.Tensor:
 CASES = ["sequential", "fused_qkv", "llama", "llama_bf16", "llama_autocast"]
 
 
+# --- the reader's families, as a training step sees them ------------------------------------------------------
+
+# every family a step-level recipe (00's loop, 01's count) applies to: the course's older cases and issue 38's
+FAMILIES = ["sequential", "fused_qkv", "llama_bf16", "llama_tied", "llama_autocast", *CAUSAL_LM_FAMILIES, "encoder",
+            "batchnorm_convnet"]
+
+
+def _family_step_case(name: str):
+    """(build_model, batches, loss_of(model, batch)) of one family: transformers decoders take the dict batches of a
+    DataLoader (labels inside: the model's own loss); the encoder classifier a tuple (input_ids, attention_mask,
+    labels); the conv net images; the older cases their (inputs, labels)."""
+    if name in CAUSAL_LM_FAMILIES:
+        return (lambda: CAUSAL_LM_FAMILIES[name]().train(), padded_dict_batches(batch_size=4, size=8),
+                lambda model, batch: model(**batch).loss)
+    if name == "encoder":
+        batches = [(b["input_ids"], b["attention_mask"], torch.arange(len(b["input_ids"])) % 3)
+                   for b in padded_dict_batches(batch_size=4, size=8, vocab=64)]
+        return (lambda: EncoderClassifier().train(), batches,
+                lambda model, batch: nn.functional.cross_entropy(model(batch[0], batch[1]), batch[2]))
+    if name == "batchnorm_convnet":
+        generator = torch.Generator().manual_seed(0)
+        batches = [(torch.randn(6, 3, 8, 8, generator=generator), torch.arange(6) % 5) for _ in range(2)]
+        return lambda: batchnorm_convnet().train(), batches, lambda model, batch: _loss(model, *batch)
+    return lambda: _model(name), [_data(name)] * 2, lambda model, batch: _loss(model, *batch)
+
+
+def test_every_recipe_cell_names_what_the_readers_script_must_define():
+    for prefix in ("00", "01", "02"):
+        for source in recipe_cells(prefix):
+            assert source.startswith("# Expects: "), f"{prefix}: {source.splitlines()[0]}"
+
+
 # --- 00: the measured training loop ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["sequential", "fused_qkv", "llama"])
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n not in ("llama_bf16", "llama_tied", "llama_autocast")])
 def test_00_measure_steps_times_every_step_of_a_readers_model(name):
     recipe = run_recipe("00")
-    model, inputs, labels = _case(name)
+    build_model, batches, loss_of = _family_step_case(name)
+    model = build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    seen = []
 
-    def train_step(step_inputs, step_labels):
-        _loss(model, step_inputs, step_labels).backward()
+    def train_step(*args, **kwargs):
+        batch = kwargs if kwargs else args              # a dict batch arrives as keywords, a tuple as positions
+        seen.append(type(batch))
+        loss_of(model, batch).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    batches = [(inputs, labels)] * 4
-    step_ms, step_peak_bytes, median_ms = recipe["measure_steps"](train_step, batches, torch.device("cpu"), 2)
+    steps = (batches * 2)[:4]
+    step_ms, step_peak_bytes, median_ms = recipe["measure_steps"](train_step, steps, torch.device("cpu"), 2)
     assert len(step_ms) == 4 and all(ms > 0 for ms in step_ms)
     assert median_ms == statistics.median(step_ms[2:]), "the median leaves the warm-up steps out"
     assert step_peak_bytes == [], "a CPU has no allocator statistics: the recipe only times there"
+    assert seen == [dict if isinstance(b, dict) else tuple for b in steps], "dicts as keywords, tuples as positions"
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters())), "every step ran and trained"
 
 
 def test_00_measure_steps_on_cuda_synchronises_and_reads_each_steps_peak(monkeypatch):
@@ -124,19 +165,19 @@ def test_00_measure_steps_on_cuda_synchronises_and_reads_each_steps_peak(monkeyp
 
 # --- 01: counting the training state --------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["sequential", "fused_qkv", "llama", "llama_bf16", "llama_tied", "llama_autocast"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_01_state_bytes_equals_the_exact_tracker_on_a_readers_model(name):
     state_bytes = run_recipe("01")["state_bytes"]
-    inputs, labels = _data(name)
+    build_model, batches, loss_of = _family_step_case(name)
     with utils.measure_memory("cpu") as built:
-        model = _model(name)
+        model = build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    buffer_bytes = sum(b.nbytes for b in model.buffers())           # rotary tables: not training state
+    buffer_bytes = sum(b.nbytes for b in model.buffers())           # rotary tables, BatchNorm's statistics: not state
     counted_before = state_bytes(model, optimizer)
     assert counted_before["weights"] == built.end_bytes - buffer_bytes, "tied weights count once, as stored"
     with utils.measure_memory("cpu", include=model) as backward:
         with torch.autocast("cpu", torch.bfloat16, enabled=name == "llama_autocast"):
-            _loss(model, inputs, labels).backward()
+            loss_of(model, batches[0]).backward()
     with utils.measure_memory("cpu", include=[model, optimizer]) as step:
         optimizer.step()
     counted = state_bytes(model, optimizer)
@@ -174,6 +215,86 @@ def test_02_accumulated_gradient_equals_the_full_batch_where_loss_over_n_does_no
         assert abs(float(batch_loss) - float(_loss(model, inputs, labels))) < 0.02 * float(batch_loss)
 
 
+
+def _causal_lm(family: str) -> nn.Module:
+    """A reader's causal LM of ``family``, with dropout off where it has any (dropout draws other masks per micro-batch:
+    section 5's other case, not this claim)."""
+    extra = {"dropout": 0.0} if family == "gpt2" else {}
+    return CAUSAL_LM_FAMILIES[family](**extra).train()
+
+
+def _shifted(labels: torch.Tensor) -> torch.Tensor:
+    """The labels as a causal LM's own loss shifts them: position t predicts token t + 1, the last predicts nothing."""
+    return nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+
+
+@pytest.mark.parametrize("family", list(CAUSAL_LM_FAMILIES))
+def test_02_takes_a_dataloaders_dict_batches_and_matches_transformers_own_full_batch_loss(family):
+    """The reader's loop: dict batches of a DataLoader with a padding collator (rows of different lengths, the last
+    batch shorter), labels taken out and shifted, `model(**micro_batch)`; the gradient is that of transformers' own
+    loss over the whole batch, where dividing each micro-batch's mean by N is not."""
+    recipe = run_recipe("02")
+    model = _causal_lm(family)
+    bf16 = next(model.parameters()).dtype == torch.bfloat16
+    tolerance = 4 * BF16_EPS if bf16 else None
+    for batch in padded_dict_batches(batch_size=5, size=13):
+        model(**batch).loss.backward()                       # transformers' own loss: mean over the shifted targets
+        full = _flat_grads(model)
+        inputs = {name: value for name, value in batch.items() if name != "labels"}
+        labels = _shifted(batch["labels"])
+        batch_loss = recipe["accumulate_gradients"](model, inputs, labels, 2)
+        accumulated = _flat_grads(model)
+        error = float((accumulated - full).norm() / full.norm())
+        allowed = tolerance or 8 * int((labels != -100).sum()) ** 0.5 * FP32_EPS
+        assert error < allowed, f"{family}: accumulated gradient off by {error:.2e} (allowed {allowed:.1e})"
+        with torch.no_grad():
+            assert abs(float(batch_loss) - float(model(**batch).loss)) < (0.02 if bf16 else 1e-4) * float(batch_loss)
+        if not bf16:                                         # the old recipe, mean / N, is biased on padded rows
+            for piece in recipe["split_batch"](batch, len(labels), 2):
+                (model(**piece).loss / 2).backward()
+            over_n = _flat_grads(model)
+            assert float((over_n - full).norm() / full.norm()) > allowed, "padding must make mean / N visibly biased"
+
+
+def test_02_takes_a_tuple_batch_for_an_encoder_classifier_with_a_padding_mask():
+    """`model(*micro_batch)`: an nn.TransformerEncoder classifier called as model(input_ids, attention_mask), labels
+    (b,) with two samples ignored (-100): the gradient of one full-batch backward."""
+    recipe = run_recipe("02")
+    model = EncoderClassifier().train()
+    batch = padded_dict_batches(batch_size=7, size=7, vocab=64)[0]
+    labels = torch.tensor([0, 2, -100, 1, 1, -100, 2])
+    nn.functional.cross_entropy(model(batch["input_ids"], batch["attention_mask"]), labels).backward()
+    full = _flat_grads(model)
+    recipe["accumulate_gradients"](model, (batch["input_ids"], batch["attention_mask"]), labels, 3)   # 3, 3, 1 rows
+    error = float((_flat_grads(model) - full).norm() / full.norm())
+    assert error < 8 * 5 ** 0.5 * FP32_EPS * 4, f"encoder: accumulated gradient off by {error:.2e}"
+
+
+def test_02_on_a_batchnorm_convnet_runs_and_differs_from_the_full_batch_as_section_5_says():
+    recipe = run_recipe("02")
+    model = batchnorm_convnet()
+    images, labels = torch.randn(16, 3, 8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(16) % 5
+    nn.functional.cross_entropy(model(images), labels).backward()
+    full = _flat_grads(model)
+    recipe["accumulate_gradients"](model, images, labels, 4)
+    assert float((_flat_grads(model) - full).norm() / full.norm()) > 1e-3, "BatchNorm's statistics differ per piece"
+
+
+def test_02_refuses_what_it_cannot_weight_with_a_message_that_names_it():
+    recipe = run_recipe("02")
+    model = _causal_lm("llama")
+    batch = padded_dict_batches(batch_size=4, size=4)[0]
+    inputs = {name: value for name, value in batch.items() if name != "labels"}
+    with pytest.raises(ValueError, match="line up with labels .*shift"):           # labels[:, 1:] without the pad
+        recipe["accumulate_gradients"](model, inputs, batch["labels"][:, 1:], 2)
+    with pytest.raises(ValueError, match="4 rows"):                                # a (1, T) tensor is not split by row
+        recipe["accumulate_gradients"](model, {**inputs, "position_ids": torch.arange(batch["input_ids"].shape[1])[None]},
+                                       _shifted(batch["labels"]), 2)
+    with pytest.raises(ValueError, match="every label is padding"):
+        recipe["accumulate_gradients"](model, inputs, torch.full_like(batch["labels"], -100), 2)
+    assert all(p.grad is None for p in model.parameters()), "a refused batch leaves no gradient behind"
+
+
 # --- 06: the profiled training step ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["sequential", "fused_qkv", "llama"])
@@ -208,3 +329,29 @@ def test_06_train_step_updates_as_a_plain_step_records_its_ranges_and_never_copi
         {"data", "forward", "backward", "optimizer"}
     assert len(copies) >= 2 and not any(non_blocking and not pinned for pinned, non_blocking in copies), \
         "non_blocking=True from pageable memory: the host waits anyway"
+
+
+# --- 01's one bf16 section, sized for a CPU without native bf16 (issue 45) -----------------------------------------
+
+def test_01_section_6_cuts_its_bf16_step_where_the_probe_finds_bf16_slow_and_still_measures_exactly(monkeypatch, tmp_path):
+    """Notebook 01 in check mode, up to the end of section 6, with a faked slow-bf16 probe (40x fp32, as on an AVX2
+    CPU): the one bf16 training step runs on fewer rows, says so, and every byte of section 6 still matches."""
+    import contextlib
+    import io
+    import json
+
+    from recipe_models import notebook_path
+
+    monkeypatch.setenv("PYTORCH_INTRO_CHECK_MODE", "1")
+    monkeypatch.setenv("PYTORCH_INTRO_BUILD_DIR", str(tmp_path))
+    monkeypatch.setenv("PYTORCH_INTRO_FORMAT_SLOWDOWN", "bfloat16=40,float16=40")
+    cells = [c for c in json.loads(notebook_path("01").read_text())["cells"] if c["cell_type"] == "code"]
+    end = next(i for i, c in enumerate(cells) if "assert 16 <= mixed_per_param < 16.1" in "".join(c["source"]))
+    namespace, printed = {}, io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        for cell in cells[:end + 1]:
+            exec(compile("".join(cell["source"]), "<01>", "exec"), namespace)
+    assert namespace["low_speed"].slow and namespace["low_speed"].faked
+    assert namespace["MIXED_ROWS"] == 8 < namespace["BATCH_SIZES"][0], "the step is cut, never below 8 rows"
+    assert f"this section's step: 8 rows (cut from {namespace['BATCH_SIZES'][0]})" in printed.getvalue()
+    assert "faked by PYTORCH_INTRO_FORMAT_SLOWDOWN" in printed.getvalue()

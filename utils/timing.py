@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from .env import check_mode as _check_mode
 from .env import device_name
 
 
@@ -157,6 +158,9 @@ class Comparison:
         verdict: ``"faster"``, ``"slower"``, ``"within noise"`` or ``"too few repeats"``.
         repeats: the fewer of the two timings' repeat counts.
         max_repeats: the larger of the two counts (None: not recorded, taken as ``repeats``).
+        check_mode: the timings come from check mode's tiny sizes (``compare`` reads ``utils.check_mode()``):
+            there a band wider than the difference says that the sizes are too small to judge, not that the two
+            run equally fast, and ``sentence`` says so instead of printing the band.
     """
 
     ratio: float
@@ -164,6 +168,20 @@ class Comparison:
     verdict: str
     repeats: int
     max_repeats: int | None = None
+    check_mode: bool = False
+
+    @property
+    def effect(self) -> float:
+        """The size of the difference, on the band's scale: ``ratio - 1`` for a faster candidate, ``1 / ratio - 1``
+        for a slower one (0.25: one of the two took 25 % longer). The verdict is "within noise" exactly when the
+        band is at least this wide."""
+        return self.ratio - 1 if self.ratio >= 1 else 1 / self.ratio - 1
+
+    @property
+    def too_small_to_judge(self) -> bool:
+        """True in check mode when the noise band is wider than the effect: check mode's sizes are too small for
+        a verdict (a band of ±200 % says nothing about the full-size lesson)."""
+        return self.check_mode and self.verdict == "within noise" and self.noise >= self.effect
 
     def sentence(self, candidate: str, baseline: str) -> str:
         """The comparison in words, its verdict judged against the noise band.
@@ -172,7 +190,12 @@ class Comparison:
         ratio), so a candidate 18.7 times slower is not reported as "0.05x as fast". The repeat count is
         the fewer of the two timings' ("at least N repeats each" where the counts differ).
 
-        Example: ``bf16 ran 1.94x as fast as fp32 (noise band ±12 %, 10 repeats each): faster here``.
+        In check mode a band wider than the effect is not printed: the sentence says that check mode's sizes are
+        too small to judge (``too_small_to_judge``), since a verdict at those sizes says nothing about the lesson's.
+
+        Example: ``bf16 ran 1.94x as fast as fp32 (noise band ±12 %, 10 repeats each): faster here``; in check
+        mode, ``bf16 took 1.10x as long as fp32 (5 repeats each): check mode's sizes are too small to judge this
+        timing (its noise exceeds the difference); the full lesson measures it``.
         """
         what = {"faster": "faster here", "slower": "slower here",
                 "within noise": "within noise here: no difference this run can tell",
@@ -183,6 +206,9 @@ class Comparison:
             how = f"took {1 / self.ratio:.2f}x as long as"
         counted = (f"{self.repeats} repeats each" if self.max_repeats in (None, self.repeats)
                    else f"at least {self.repeats} repeats each")
+        if self.too_small_to_judge:
+            return (f"{candidate} {how} {baseline} ({counted}): check mode's sizes are too small to judge this timing "
+                    f"(its noise exceeds the difference); the full lesson measures it")
         return f"{candidate} {how} {baseline} (noise band {format_band(self.noise)}, {counted}): {what}"
 
 
@@ -199,7 +225,9 @@ def compare(baseline: Timing, candidate: Timing) -> Comparison:
         candidate: the timing being judged, from the same run and device.
 
     Returns:
-        A ``Comparison`` (ratio, noise band, verdict); ``sentence()`` prints it.
+        A ``Comparison`` (ratio, noise band, verdict, and whether it was measured in check mode); ``sentence()``
+        prints it, and in check mode, where the band is wider than the difference, says that the sizes are too
+        small to judge rather than printing the band.
 
     Raises:
         ValueError: the timings come from different devices.
@@ -222,4 +250,5 @@ def compare(baseline: Timing, candidate: Timing) -> Comparison:
         verdict = "slower"
     else:
         verdict = "within noise"
-    return Comparison(ratio=ratio, noise=noise, verdict=verdict, repeats=repeats, max_repeats=max_repeats)
+    return Comparison(ratio=ratio, noise=noise, verdict=verdict, repeats=repeats, max_repeats=max_repeats,
+                      check_mode=_check_mode())

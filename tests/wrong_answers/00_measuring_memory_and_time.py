@@ -40,37 +40,189 @@ def predict_activation_bytes(batch_size, widths, dtype):
     bytes_per_element = torch.empty(0, dtype=dtype).element_size()
     return bytes_per_element * batch_size * (2 * sum(widths[1:-1]) + 2 * widths[-1])
 ''',
+        "looks the element size up in a table of the three dtypes it has seen (no fp16)": '''
+def predict_activation_bytes(batch_size, widths, dtype):
+    bytes_per_element = {torch.float32: 4, torch.bfloat16: 2, torch.float64: 8}[dtype]
+    return bytes_per_element * batch_size * (2 * sum(widths[1:-1]) + widths[-1])
+''',
+        "assumes at least one GELU: a lone Linear is counted as if followed by one": '''
+def predict_activation_bytes(batch_size, widths, dtype):
+    bytes_per_element = torch.empty(0, dtype=dtype).element_size()
+    return bytes_per_element * batch_size * (2 * sum(widths[1:-1]) + widths[-1] * (1 if len(widths) > 2 else 2))
+''',
+        "counts each hidden width once per layer pair, right only when the hidden widths are equal": '''
+def predict_activation_bytes(batch_size, widths, dtype):
+    bytes_per_element = torch.empty(0, dtype=dtype).element_size()
+    hidden = widths[1:-1]
+    return bytes_per_element * batch_size * (hidden[0] * 2 * len(hidden) + widths[-1]) if hidden else \
+        bytes_per_element * batch_size * widths[-1]
+''',
     },
     "exercise_2": {
-        "takes t.float() for a copy": '''
-t_bytes = 64 * 128 * 4
-predicted_bytes = {"t.reshape(128, 64)": 0, "t.t().reshape(-1)": t_bytes, "t.mul_(2)": 0, "t * 2": t_bytes,
-                   "t.float()": t_bytes, "t.double()": 2 * t_bytes, "t[:, :64]": 0, "t[:, :64].clone()": t_bytes // 2}
+        "takes t.float() for a copy whatever t's dtype": '''
+def predict_allocated_bytes(expression, rows, cols, dtype):
+    element = torch.empty(0, dtype=dtype).element_size()
+    t_bytes = rows * cols * element
+    return {
+        "t.reshape(cols, rows)": 0,
+        "t.t().reshape(-1)": 0 if rows == 1 or cols == 1 else t_bytes,
+        "t.mul_(2)": 0,
+        "t * 2": t_bytes,
+        "t.float()": rows * cols * 4,
+        "t.double()": 0 if dtype == torch.float64 else rows * cols * 8,
+        "t[:, :cols // 2]": 0,
+        "t[:, :cols // 2].clone()": rows * (cols // 2) * element,
+    }[expression]
 ''',
-        "takes reshape of a transpose for a view": '''
-t_bytes = 64 * 128 * 4
-predicted_bytes = {"t.reshape(128, 64)": 0, "t.t().reshape(-1)": 0, "t.mul_(2)": 0, "t * 2": t_bytes,
-                   "t.float()": 0, "t.double()": 2 * t_bytes, "t[:, :64]": 0, "t[:, :64].clone()": t_bytes // 2}
+        "takes t.float() for free whatever t's dtype (right only for fp32)": '''
+def predict_allocated_bytes(expression, rows, cols, dtype):
+    element = torch.empty(0, dtype=dtype).element_size()
+    t_bytes = rows * cols * element
+    return {
+        "t.reshape(cols, rows)": 0,
+        "t.t().reshape(-1)": 0 if rows == 1 or cols == 1 else t_bytes,
+        "t.mul_(2)": 0,
+        "t * 2": t_bytes,
+        "t.float()": 0,
+        "t.double()": 0 if dtype == torch.float64 else rows * cols * 8,
+        "t[:, :cols // 2]": 0,
+        "t[:, :cols // 2].clone()": rows * (cols // 2) * element,
+    }[expression]
 ''',
-        "clones the whole storage behind a slice": '''
-t_bytes = 64 * 128 * 4
-predicted_bytes = {"t.reshape(128, 64)": 0, "t.t().reshape(-1)": t_bytes, "t.mul_(2)": 0, "t * 2": t_bytes,
-                   "t.float()": 0, "t.double()": 2 * t_bytes, "t[:, :64]": 0, "t[:, :64].clone()": t_bytes}
+        'takes t.double() for a copy even of an fp64 tensor': '''
+def predict_allocated_bytes(expression, rows, cols, dtype):
+    element = torch.empty(0, dtype=dtype).element_size()
+    t_bytes = rows * cols * element
+    return {
+        "t.reshape(cols, rows)": 0,
+        "t.t().reshape(-1)": 0 if rows == 1 or cols == 1 else t_bytes,
+        "t.mul_(2)": 0,
+        "t * 2": t_bytes,
+        "t.float()": 0 if dtype == torch.float32 else rows * cols * 4,
+        "t.double()": rows * cols * 8,
+        "t[:, :cols // 2]": 0,
+        "t[:, :cols // 2].clone()": rows * (cols // 2) * element,
+    }[expression]
 ''',
-        "forgets that fp64 takes 8 bytes": '''
-t_bytes = 64 * 128 * 4
-predicted_bytes = {"t.reshape(128, 64)": 0, "t.t().reshape(-1)": t_bytes, "t.mul_(2)": 0, "t * 2": t_bytes,
-                   "t.float()": 0, "t.double()": t_bytes, "t[:, :64]": 0, "t[:, :64].clone()": t_bytes // 2}
+        'takes the flattened transpose for a copy even when a dimension is 1': '''
+def predict_allocated_bytes(expression, rows, cols, dtype):
+    element = torch.empty(0, dtype=dtype).element_size()
+    t_bytes = rows * cols * element
+    return {
+        "t.reshape(cols, rows)": 0,
+        "t.t().reshape(-1)": t_bytes,
+        "t.mul_(2)": 0,
+        "t * 2": t_bytes,
+        "t.float()": 0 if dtype == torch.float32 else rows * cols * 4,
+        "t.double()": 0 if dtype == torch.float64 else rows * cols * 8,
+        "t[:, :cols // 2]": 0,
+        "t[:, :cols // 2].clone()": rows * (cols // 2) * element,
+    }[expression]
 ''',
-        "takes a reshape of a contiguous tensor for a copy": '''
-t_bytes = 64 * 128 * 4
-predicted_bytes = {"t.reshape(128, 64)": t_bytes, "t.t().reshape(-1)": t_bytes, "t.mul_(2)": 0, "t * 2": t_bytes,
-                   "t.float()": 0, "t.double()": 2 * t_bytes, "t[:, :64]": 0, "t[:, :64].clone()": t_bytes // 2}
+        'takes the flattened transpose for a view': '''
+def predict_allocated_bytes(expression, rows, cols, dtype):
+    element = torch.empty(0, dtype=dtype).element_size()
+    t_bytes = rows * cols * element
+    return {
+        "t.reshape(cols, rows)": 0,
+        "t.t().reshape(-1)": 0,
+        "t.mul_(2)": 0,
+        "t * 2": t_bytes,
+        "t.float()": 0 if dtype == torch.float32 else rows * cols * 4,
+        "t.double()": 0 if dtype == torch.float64 else rows * cols * 8,
+        "t[:, :cols // 2]": 0,
+        "t[:, :cols // 2].clone()": rows * (cols // 2) * element,
+    }[expression]
 ''',
-        "takes the in-place t.mul_(2) for a new tensor": '''
-t_bytes = 64 * 128 * 4
-predicted_bytes = {"t.reshape(128, 64)": 0, "t.t().reshape(-1)": t_bytes, "t.mul_(2)": t_bytes, "t * 2": t_bytes,
-                   "t.float()": 0, "t.double()": 2 * t_bytes, "t[:, :64]": 0, "t[:, :64].clone()": t_bytes // 2}
+        'clones the whole storage behind a slice': '''
+def predict_allocated_bytes(expression, rows, cols, dtype):
+    element = torch.empty(0, dtype=dtype).element_size()
+    t_bytes = rows * cols * element
+    return {
+        "t.reshape(cols, rows)": 0,
+        "t.t().reshape(-1)": 0 if rows == 1 or cols == 1 else t_bytes,
+        "t.mul_(2)": 0,
+        "t * 2": t_bytes,
+        "t.float()": 0 if dtype == torch.float32 else rows * cols * 4,
+        "t.double()": 0 if dtype == torch.float64 else rows * cols * 8,
+        "t[:, :cols // 2]": 0,
+        "t[:, :cols // 2].clone()": t_bytes,
+    }[expression]
+''',
+        "takes the half slice's clone as half the bytes, right only for an even number of columns": '''
+def predict_allocated_bytes(expression, rows, cols, dtype):
+    element = torch.empty(0, dtype=dtype).element_size()
+    t_bytes = rows * cols * element
+    return {
+        "t.reshape(cols, rows)": 0,
+        "t.t().reshape(-1)": 0 if rows == 1 or cols == 1 else t_bytes,
+        "t.mul_(2)": 0,
+        "t * 2": t_bytes,
+        "t.float()": 0 if dtype == torch.float32 else rows * cols * 4,
+        "t.double()": 0 if dtype == torch.float64 else rows * cols * 8,
+        "t[:, :cols // 2]": 0,
+        "t[:, :cols // 2].clone()": t_bytes // 2,
+    }[expression]
+''',
+        'assumes 4 bytes per element in the clone': '''
+def predict_allocated_bytes(expression, rows, cols, dtype):
+    element = torch.empty(0, dtype=dtype).element_size()
+    t_bytes = rows * cols * element
+    return {
+        "t.reshape(cols, rows)": 0,
+        "t.t().reshape(-1)": 0 if rows == 1 or cols == 1 else t_bytes,
+        "t.mul_(2)": 0,
+        "t * 2": t_bytes,
+        "t.float()": 0 if dtype == torch.float32 else rows * cols * 4,
+        "t.double()": 0 if dtype == torch.float64 else rows * cols * 8,
+        "t[:, :cols // 2]": 0,
+        "t[:, :cols // 2].clone()": rows * (cols // 2) * 4,
+    }[expression]
+''',
+        'takes a reshape of a contiguous tensor for a copy': '''
+def predict_allocated_bytes(expression, rows, cols, dtype):
+    element = torch.empty(0, dtype=dtype).element_size()
+    t_bytes = rows * cols * element
+    return {
+        "t.reshape(cols, rows)": t_bytes,
+        "t.t().reshape(-1)": 0 if rows == 1 or cols == 1 else t_bytes,
+        "t.mul_(2)": 0,
+        "t * 2": t_bytes,
+        "t.float()": 0 if dtype == torch.float32 else rows * cols * 4,
+        "t.double()": 0 if dtype == torch.float64 else rows * cols * 8,
+        "t[:, :cols // 2]": 0,
+        "t[:, :cols // 2].clone()": rows * (cols // 2) * element,
+    }[expression]
+''',
+        'takes the in-place t.mul_(2) for a new tensor': '''
+def predict_allocated_bytes(expression, rows, cols, dtype):
+    element = torch.empty(0, dtype=dtype).element_size()
+    t_bytes = rows * cols * element
+    return {
+        "t.reshape(cols, rows)": 0,
+        "t.t().reshape(-1)": 0 if rows == 1 or cols == 1 else t_bytes,
+        "t.mul_(2)": t_bytes,
+        "t * 2": t_bytes,
+        "t.float()": 0 if dtype == torch.float32 else rows * cols * 4,
+        "t.double()": 0 if dtype == torch.float64 else rows * cols * 8,
+        "t[:, :cols // 2]": 0,
+        "t[:, :cols // 2].clone()": rows * (cols // 2) * element,
+    }[expression]
+''',
+        "takes t.double() for twice t's bytes, right only from fp32": '''
+def predict_allocated_bytes(expression, rows, cols, dtype):
+    element = torch.empty(0, dtype=dtype).element_size()
+    t_bytes = rows * cols * element
+    return {
+        "t.reshape(cols, rows)": 0,
+        "t.t().reshape(-1)": 0 if rows == 1 or cols == 1 else t_bytes,
+        "t.mul_(2)": 0,
+        "t * 2": t_bytes,
+        "t.float()": 0 if dtype == torch.float32 else rows * cols * 4,
+        "t.double()": 2 * t_bytes,
+        "t[:, :cols // 2]": 0,
+        "t[:, :cols // 2].clone()": rows * (cols // 2) * element,
+    }[expression]
 ''',
     },
     "exercise_3": {
@@ -158,6 +310,70 @@ def median_time_ms(fn, device, warmup=2, repeats=10):
             torch.cuda.synchronize(device)
         times_s.append(time.perf_counter() - started)
     return statistics.median(times_s)
+''',
+        "takes the upper middle repeat for the median: right only for an odd count": '''
+def median_time_ms(fn, device, warmup=2, repeats=10):
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    times_ms = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times_ms.append((time.perf_counter() - started) * 1e3)
+    return sorted(times_ms)[len(times_ms) // 2]
+''',
+        "synchronises the current device, not the one timed": '''
+def median_time_ms(fn, device, warmup=2, repeats=10):
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    times_ms = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times_ms.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times_ms)
+''',
+        "recognises only the string 'cuda', not 'cuda:1'": '''
+def median_time_ms(fn, device, warmup=2, repeats=10):
+    on_cuda = str(device) == "cuda"
+    for _ in range(warmup):
+        fn()
+    times_ms = []
+    for _ in range(repeats):
+        if on_cuda:
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        fn()
+        if on_cuda:
+            torch.cuda.synchronize(device)
+        times_ms.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times_ms)
+''',
+        "drops the first timed repeat as well, right only when there are several": '''
+def median_time_ms(fn, device, warmup=2, repeats=10):
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    times_ms = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times_ms.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times_ms[1:] or times_ms)
 ''',
     },
 }

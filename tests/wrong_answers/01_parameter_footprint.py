@@ -36,6 +36,37 @@ def predict_state_bytes(model):
     trainable = [p for p in model.parameters() if p.requires_grad]
     return weights, sum(p.numel() * p.element_size() for p in trainable), sum(p.numel() * 4 for p in trainable)
 ''',
+        "counts each module's weight, so a tied head counts twice": '''
+def predict_state_bytes(model):
+    tensors = [t for m in model.modules() for t in (getattr(m, "weight", None), getattr(m, "bias", None))
+               if isinstance(t, torch.nn.Parameter)]
+    weights = sum(t.numel() * t.element_size() for t in tensors)
+    trainable = sum(t.numel() * t.element_size() for t in tensors if t.requires_grad)
+    return weights, trainable, trainable
+''',
+        "takes the embedding for the frozen part by its type, not by requires_grad": '''
+def predict_state_bytes(model):
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = sum(p.numel() * p.element_size() for m in model.modules() if not isinstance(m, nn.Embedding)
+                    for p in m.parameters(recurse=False))
+    return weights, trainable, trainable
+''',
+        "freezes a module whole when any of its parameters is frozen": '''
+def predict_state_bytes(model):
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = sum(p.numel() * p.element_size() for m in model.modules() if not list(m.children())
+                    and all(q.requires_grad for q in m.parameters()) for p in m.parameters())
+    return weights, trainable, trainable
+''',
+        "calls requires_grad_(False) on the frozen parts again, as if to be sure": '''
+def predict_state_bytes(model):
+    for p in model.parameters():
+        p.requires_grad_(p.requires_grad and p.dim() > 0 and p.numel() > 0 and not isinstance(p, int) and p.requires_grad)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    model[0].requires_grad_(False)
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return weights, trainable, trainable
+''',
     },
     "exercise_2": {
         "forgets the step counters": '''
@@ -78,6 +109,23 @@ def predict_adamw_state_bytes(model, amsgrad):
 def predict_adamw_state_bytes(model, amsgrad):
     trainable = [p for p in model.parameters() if p.requires_grad]
     return sum((4 if amsgrad else 3) * p.numel() * p.element_size() for p in trainable) + 4 * len(trainable)
+''',
+        "takes the LayerNorm for the frozen part by its type, not by requires_grad": '''
+def predict_adamw_state_bytes(model, amsgrad):
+    trainable = [p for m in model.modules() if not isinstance(m, nn.LayerNorm) for p in m.parameters(recurse=False)]
+    return sum((3 if amsgrad else 2) * p.numel() * p.element_size() for p in trainable) + 4 * len(trainable)
+''',
+        "counts a step counter per module, not per parameter tensor": '''
+def predict_adamw_state_bytes(model, amsgrad):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    modules = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+    return sum((3 if amsgrad else 2) * p.numel() * p.element_size() for p in trainable) + 4 * len(modules)
+''',
+        "takes a step counter's size from the dtype, 8 bytes in fp64": '''
+def predict_adamw_state_bytes(model, amsgrad):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    counter = 8 if trainable and trainable[0].dtype == torch.float64 else 4
+    return sum((3 if amsgrad else 2) * p.numel() * p.element_size() for p in trainable) + counter * len(trainable)
 ''',
     },
 }

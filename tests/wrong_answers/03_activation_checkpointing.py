@@ -1,70 +1,155 @@
-"""Wrong answers to notebook 03's exercises: each must be rejected by its graded cell (tests/wrong_answers/README.md)."""
+"""Wrong answers to notebook 03's exercises: each must fail its graded cell (tests/wrong_answers/README.md)."""
 
 WRONG = {
     "exercise_1": {
-        "the reentrant checkpoint: the frozen embedding's output requires no grad, so no block trains": '''
-def lm_forward_checkpointed(lm, tokens, mask):
-    x = lm.embed(tokens)
-    for block in lm.blocks:
-        x = checkpoint(block, x, mask, use_reentrant=True)
-    return lm.head(x)
+        'checkpoints the last segment too': '''
+def predict_sequential_kept_bytes(plain_block_bytes, output_bytes, segments):
+    return segments * output_bytes if segments > 1 else sum(plain_block_bytes)
 ''',
-        "use_reentrant left out: still reentrant, the forum's pitfall again": '''
-def lm_forward_checkpointed(lm, tokens, mask):
-    x = lm.embed(tokens)
-    for block in lm.blocks:
-        x = checkpoint(block, x, mask)
-    return lm.head(x)
+        'cuts the segments with a ceiling, n / k rounded up': '''
+def predict_sequential_kept_bytes(plain_block_bytes, output_bytes, segments):
+    per_segment = -(-len(plain_block_bytes) // segments)
+    checkpointed = min((segments - 1) * per_segment, len(plain_block_bytes))
+    return (segments - 1) * output_bytes + sum(plain_block_bytes[checkpointed:])
 ''',
-        "no checkpointing at all": '''
-def lm_forward_checkpointed(lm, tokens, mask):
-    x = lm.embed(tokens)
-    for block in lm.blocks:
-        x = block(x, mask)
-    return lm.head(x)
+        'takes the plain tail for the first blocks, right only when blocks are equal': '''
+def predict_sequential_kept_bytes(plain_block_bytes, output_bytes, segments):
+    per_segment = len(plain_block_bytes) // segments
+    tail = len(plain_block_bytes) - (segments - 1) * per_segment
+    return (segments - 1) * output_bytes + sum(plain_block_bytes[:tail])
 ''',
-        "the whole stack in one checkpoint: it keeps less after forward and holds every block's activations in backward": '''
-def lm_forward_checkpointed(lm, tokens, mask):
-    def run_blocks(x, mask):
-        for block in lm.blocks:
-            x = block(x, mask)
-        return x
-    return lm.head(checkpoint(run_blocks, lm.embed(tokens), mask, use_reentrant=False))
+        'puts n // k blocks in the last segment too, forgetting the leftover blocks': '''
+def predict_sequential_kept_bytes(plain_block_bytes, output_bytes, segments):
+    per_segment = len(plain_block_bytes) // segments
+    checkpointed = (segments - 1) * per_segment
+    return (segments - 1) * output_bytes + sum(plain_block_bytes[checkpointed:checkpointed + per_segment])
 ''',
-        "drops the mask: checkpoints the inner block only": '''
-def lm_forward_checkpointed(lm, tokens, mask):
-    x = lm.embed(tokens)
-    for block in lm.blocks:
-        x = checkpoint(block.block, x, use_reentrant=False)
-    return lm.head(x)
+        'counts one output per segment, the plain last one included': '''
+def predict_sequential_kept_bytes(plain_block_bytes, output_bytes, segments):
+    per_segment = len(plain_block_bytes) // segments
+    checkpointed = (segments - 1) * per_segment
+    return segments * output_bytes + sum(plain_block_bytes[checkpointed:])
 ''',
-        "the reentrant fix applied per block: detaching each input cuts the earlier blocks off": '''
-def lm_forward_checkpointed(lm, tokens, mask):
-    x = lm.embed(tokens)
-    for block in lm.blocks:
-        x = checkpoint(block, x.detach().requires_grad_(), mask, use_reentrant=True)
-    return lm.head(x)
+        "forgets the checkpointed segments' outputs": '''
+def predict_sequential_kept_bytes(plain_block_bytes, output_bytes, segments):
+    per_segment = len(plain_block_bytes) // segments
+    return sum(plain_block_bytes[(segments - 1) * per_segment:])
 ''',
-        "checkpoints every other block": '''
-def lm_forward_checkpointed(lm, tokens, mask):
-    x = lm.embed(tokens)
-    for index, block in enumerate(lm.blocks):
-        x = checkpoint(block, x, mask, use_reentrant=False) if index % 2 == 0 else block(x, mask)
-    return lm.head(x)
+        'scales the plain forward by the fraction of blocks left plain (the average block)': '''
+def predict_sequential_kept_bytes(plain_block_bytes, output_bytes, segments):
+    n = len(plain_block_bytes)
+    tail = n - (segments - 1) * (n // segments)
+    return (segments - 1) * output_bytes + sum(plain_block_bytes) * tail // n
+''',
+        'special-cases one segment as checkpointing everything': '''
+def predict_sequential_kept_bytes(plain_block_bytes, output_bytes, segments):
+    if segments == 1:
+        return output_bytes
+    per_segment = len(plain_block_bytes) // segments
+    return (segments - 1) * output_bytes + sum(plain_block_bytes[(segments - 1) * per_segment:])
 ''',
     },
     "exercise_2": {
-        "rounds down: one block too few, over the budget": '''
+        'checkpoints blocks in order from the first: more blocks than needed when they differ': '''
 def forward_within_budget(blocks, x, budget_bytes, plain_block_bytes, checkpointed_block_bytes):
     if budget_bytes < len(blocks) * checkpointed_block_bytes:
         raise ValueError("too small")
-    excess = len(blocks) * plain_block_bytes - budget_bytes
-    to_checkpoint = max(0, excess // (plain_block_bytes - checkpointed_block_bytes))
+    excess = sum(plain_block_bytes) - budget_bytes
+    chosen = set()
+    for index in range(len(blocks)):
+        if excess <= 0:
+            break
+        chosen.add(index)
+        excess -= plain_block_bytes[index] - checkpointed_block_bytes
+    for index, block in enumerate(blocks):
+        x = checkpoint(block, x, use_reentrant=False) if index in chosen else block(x)
+    return x
+''',
+        'checkpoints the blocks that save the least first': '''
+def forward_within_budget(blocks, x, budget_bytes, plain_block_bytes, checkpointed_block_bytes):
+    if budget_bytes < len(blocks) * checkpointed_block_bytes:
+        raise ValueError("too small")
+    excess = sum(plain_block_bytes) - budget_bytes
+    chosen = set()
+    for index in sorted(range(len(blocks)), key=lambda i: plain_block_bytes[i]):
+        if excess <= 0:
+            break
+        chosen.add(index)
+        excess -= plain_block_bytes[index] - checkpointed_block_bytes
+    for index, block in enumerate(blocks):
+        x = checkpoint(block, x, use_reentrant=False) if index in chosen else block(x)
+    return x
+''',
+        'counts with the average block, right only when blocks are equal': '''
+def forward_within_budget(blocks, x, budget_bytes, plain_block_bytes, checkpointed_block_bytes):
+    if budget_bytes < len(blocks) * checkpointed_block_bytes:
+        raise ValueError("too small")
+    average = sum(plain_block_bytes) / len(blocks)
+    excess = sum(plain_block_bytes) - budget_bytes
+    to_checkpoint = max(0, -(-int(excess) // int(average - checkpointed_block_bytes)))
     for index, block in enumerate(blocks):
         x = checkpoint(block, x, use_reentrant=False) if index < to_checkpoint else block(x)
     return x
 ''',
-        "checkpoints every block whatever the budget": '''
+        'a budget met exactly counts as exceeded: one block too many at the boundary': '''
+def forward_within_budget(blocks, x, budget_bytes, plain_block_bytes, checkpointed_block_bytes):
+    if budget_bytes < len(blocks) * checkpointed_block_bytes:
+        raise ValueError("too small")
+    excess = sum(plain_block_bytes) - budget_bytes
+    chosen = set()
+    for index in sorted(range(len(blocks)), key=lambda i: plain_block_bytes[i], reverse=True):
+        if excess < 0:
+            break
+        chosen.add(index)
+        excess -= plain_block_bytes[index] - checkpointed_block_bytes
+    for index, block in enumerate(blocks):
+        x = checkpoint(block, x, use_reentrant=False) if index in chosen else block(x)
+    return x
+''',
+        'counts a checkpointed block as saving everything it kept: too few blocks': '''
+def forward_within_budget(blocks, x, budget_bytes, plain_block_bytes, checkpointed_block_bytes):
+    if budget_bytes < len(blocks) * checkpointed_block_bytes:
+        raise ValueError("too small")
+    excess = sum(plain_block_bytes) - budget_bytes
+    chosen = set()
+    for index in sorted(range(len(blocks)), key=lambda i: plain_block_bytes[i], reverse=True):
+        if excess <= 0:
+            break
+        chosen.add(index)
+        excess -= plain_block_bytes[index]
+    for index, block in enumerate(blocks):
+        x = checkpoint(block, x, use_reentrant=False) if index in chosen else block(x)
+    return x
+''',
+        'never raises: checkpoints everything and goes over the budget silently': '''
+def forward_within_budget(blocks, x, budget_bytes, plain_block_bytes, checkpointed_block_bytes):
+    excess = sum(plain_block_bytes) - budget_bytes
+    chosen = set()
+    for index in sorted(range(len(blocks)), key=lambda i: plain_block_bytes[i], reverse=True):
+        if excess <= 0:
+            break
+        chosen.add(index)
+        excess -= plain_block_bytes[index] - checkpointed_block_bytes
+    for index, block in enumerate(blocks):
+        x = checkpoint(block, x, use_reentrant=False) if index in chosen else block(x)
+    return x
+''',
+        "reentrant checkpoint: the first block's input is data, so it gets no gradient": '''
+def forward_within_budget(blocks, x, budget_bytes, plain_block_bytes, checkpointed_block_bytes):
+    if budget_bytes < len(blocks) * checkpointed_block_bytes:
+        raise ValueError("too small")
+    excess = sum(plain_block_bytes) - budget_bytes
+    chosen = set()
+    for index in sorted(range(len(blocks)), key=lambda i: plain_block_bytes[i], reverse=True):
+        if excess <= 0:
+            break
+        chosen.add(index)
+        excess -= plain_block_bytes[index] - checkpointed_block_bytes
+    for index, block in enumerate(blocks):
+        x = checkpoint(block, x, use_reentrant=True) if index in chosen else block(x)
+    return x
+''',
+        'checkpoints every block whatever the budget': '''
 def forward_within_budget(blocks, x, budget_bytes, plain_block_bytes, checkpointed_block_bytes):
     if budget_bytes < len(blocks) * checkpointed_block_bytes:
         raise ValueError("too small")
@@ -72,51 +157,24 @@ def forward_within_budget(blocks, x, budget_bytes, plain_block_bytes, checkpoint
         x = checkpoint(block, x, use_reentrant=False)
     return x
 ''',
-        "never checkpoints": '''
+        'raises where the plain forward does not fit, rather than where nothing would': '''
 def forward_within_budget(blocks, x, budget_bytes, plain_block_bytes, checkpointed_block_bytes):
-    if budget_bytes < len(blocks) * checkpointed_block_bytes:
-        raise ValueError("too small")
+    if budget_bytes < sum(plain_block_bytes):
+        raise ValueError("over budget")
     return blocks(x)
 ''',
-        "a budget met exactly counts as exceeded: one block too many at the boundary": '''
+        "patches the chosen blocks' forward and leaves them patched": '''
 def forward_within_budget(blocks, x, budget_bytes, plain_block_bytes, checkpointed_block_bytes):
     if budget_bytes < len(blocks) * checkpointed_block_bytes:
         raise ValueError("too small")
-    to_checkpoint = 0
-    while len(blocks) * plain_block_bytes - to_checkpoint * (plain_block_bytes - checkpointed_block_bytes) >= budget_bytes \\
-            and to_checkpoint < len(blocks):
-        to_checkpoint += 1
-    for index, block in enumerate(blocks):
-        x = checkpoint(block, x, use_reentrant=False) if index < to_checkpoint else block(x)
-    return x
-''',
-        "never raises: checkpoints everything and goes over the budget silently": '''
-def forward_within_budget(blocks, x, budget_bytes, plain_block_bytes, checkpointed_block_bytes):
-    excess = len(blocks) * plain_block_bytes - budget_bytes
-    to_checkpoint = min(len(blocks), max(0, -(-excess // (plain_block_bytes - checkpointed_block_bytes))))
-    for index, block in enumerate(blocks):
-        x = checkpoint(block, x, use_reentrant=False) if index < to_checkpoint else block(x)
-    return x
-''',
-        "reentrant checkpoint: the first block's input is data, so it gets no gradient": '''
-def forward_within_budget(blocks, x, budget_bytes, plain_block_bytes, checkpointed_block_bytes):
-    if budget_bytes < len(blocks) * checkpointed_block_bytes:
-        raise ValueError("too small")
-    excess = len(blocks) * plain_block_bytes - budget_bytes
-    to_checkpoint = max(0, -(-excess // (plain_block_bytes - checkpointed_block_bytes)))
-    for index, block in enumerate(blocks):
-        x = checkpoint(block, x, use_reentrant=True) if index < to_checkpoint else block(x)
-    return x
-''',
-        "counts a checkpointed block as saving everything it kept: too few blocks": '''
-def forward_within_budget(blocks, x, budget_bytes, plain_block_bytes, checkpointed_block_bytes):
-    if budget_bytes < len(blocks) * checkpointed_block_bytes:
-        raise ValueError("too small")
-    excess = len(blocks) * plain_block_bytes - budget_bytes
-    to_checkpoint = max(0, -(-excess // plain_block_bytes))
-    for index, block in enumerate(blocks):
-        x = checkpoint(block, x, use_reentrant=False) if index < to_checkpoint else block(x)
-    return x
+    import functools
+    excess = sum(plain_block_bytes) - budget_bytes
+    for index in sorted(range(len(blocks)), key=lambda i: plain_block_bytes[i], reverse=True):
+        if excess <= 0:
+            break
+        blocks[index].forward = functools.partial(checkpoint, blocks[index].forward, use_reentrant=False)
+        excess -= plain_block_bytes[index] - checkpointed_block_bytes
+    return blocks(x)
 ''',
     },
 }
