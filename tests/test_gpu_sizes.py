@@ -195,15 +195,25 @@ def predict_05(p: dict) -> dict[str, int]:
     - the eager and the compiled MLP, each with AdamW (16 B per parameter), and a foreach step's temporary;
     - both models' activations and their gradients at ``BATCH_SIZE`` rows, and the batch;
     - six ``ELEMENTWISE_SHAPE`` fp32 tensors: the chain's input and output, and the gradient section's input,
-      output and their gradients.
+      output and their gradients;
+    - section 1's bf16-autocast transformer, eager and compiled: one copy's model state, and the other's whole
+      training step as the course's calculator predicts it (AdamW, bf16 autocast, on CUDA).
     """
+    from utils import calculator
+
     model = _mlp(p)
     elementwise = 4 * math.prod(p["ELEMENTWISE_SHAPE"])
+    lm = calculator.ModelConfig(p["LM_LAYERS"], p["LM_WIDTH"], 4, p["LM_VOCAB"], max_seq_len=p["LM_SEQ"], arch="gpt",
+                                name="05's TinyTransformer")
+    step = calculator.predict(lm, calculator.TrainingSetup(seq_len=p["LM_SEQ"], micro_batch=p["LM_BATCH"],
+                                                          precision="bf16-autocast", optimizer="adamw",
+                                                          optimizer_impl="foreach", device="cuda"))
     return {
         "two MLPs with AdamW and a foreach temporary": 2 * _state(model) + _weights(model),
         "both models' activations and their gradients": 2 * _activations(model, p["BATCH_SIZE"]),
         "the batch": _rows(p, p["BATCH_SIZE"]),
         "six elementwise tensors": 6 * elementwise,
+        "the transformer: one copy's state, the other's training step": 16 * step.num_parameters + step.total,
     }
 
 
@@ -349,6 +359,30 @@ def predict_12(p: dict) -> dict[str, int]:
             "a micro-batch's activations and their gradients": 2 * 4 * p["GLOBAL_BATCH"] * hidden * p["LAYERS"]}
 
 
+def predict_15(p: dict) -> dict[str, int]:
+    """15 when training generates: an upper bound that adds up what its sections keep, as if all were alive at once.
+
+    - the transformers Llama (``HIDDEN`` wide, a ``32 x HIDDEN`` vocabulary, untied head) four times with AdamW's
+      state: the policy, the reference copy, and the LoRA and bf16 levers' models (16 B per parameter each);
+    - the GRPO batch's logits (``BATCH x GROUP`` answers of ``PROMPT_LEN + NEW_TOKENS`` tokens) in fp32, ten times:
+      the policy's and the reference's, their log-softmax, the gradients and the chunked copies;
+    - section 2's training batch and an evaluation's answers, six fp32 logits tensors of the larger.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=p["VOCAB"], hidden_size=p["HIDDEN"], intermediate_size=2 * p["HIDDEN"],
+                         num_hidden_layers=p["LAYERS"], num_attention_heads=p["HEADS"],
+                         num_key_value_heads=p["KV_HEADS"], max_position_embeddings=512, tie_word_embeddings=False)
+    model = _meta(lambda: LlamaForCausalLM(config))
+    answer = p["PROMPT_LEN"] + p["NEW_TOKENS"]
+    rows = max(p["TRAIN_BATCH"] * p["TRAIN_LEN"], p["EVAL_BATCH"] * answer)
+    return {
+        "four Llamas with AdamW's state": 4 * _state(model),
+        "the GRPO batch's logits, log-probabilities and gradients": 10 * 4 * p["BATCH"] * p["GROUP"] * answer * p["VOCAB"],
+        "section 2's training batch or an evaluation's logits": 6 * 4 * rows * p["VOCAB"],
+    }
+
+
 def predict_16(p: dict) -> dict[str, int]:
     """16 checkpoint and resume: section 5's timed model (4 layers ``TIMED_HIDDEN`` wide with AdamW's state, 16 B per
     parameter), a CPU copy aside, and the resumed MLP with its state (``HIDDEN_FEATURES`` wide)."""
@@ -361,38 +395,89 @@ def predict_16(p: dict) -> dict[str, int]:
 
 
 def predict_17(p: dict) -> dict[str, int]:
-    """17 capstone (its parameters cell: the budget plus about 0.5 GiB).
-
-    Every run is sized by a search under ``BUDGET_MIB`` (or the transformers Llama's ``LLAMA_BUDGET_MIB``), a per-process
-    limit on the caching allocator's reserved bytes; outside the budget: the MFU's peak matmul (0.4 GiB).
+    """17 capstone. Every search runs under ``BUDGET_MIB`` or the Llama's ``LLAMA_BUDGET_MIB`` (a limit on the caching
+    allocator's reserved bytes, cache included). Outside them, at other moments: the gradient checks' plain fp32 steps
+    on whole batches, predicted by the course's calculator (section 2's ``RECIPE_BATCH`` rows of the TinyTransformer;
+    the Llama's ``RECIPE_BATCH`` rows under MemTracker and exercise 1's largest batch, twice the micro-batch its
+    accumulated configuration fits); and beside either, the MFU's peak matmul (three ``MFU_MATMUL_SIZE``² 16-bit
+    tensors) and a quarter GiB for the models and optimizers a cell keeps alive.
     """
+    from transformers import LlamaConfig
+
+    from utils import calculator
+
+    seq = p["SEQ_LEN"]
+
+    def plain_fp32_step(shape, rows: int, **options) -> int:
+        setup = calculator.TrainingSetup(seq_len=seq, micro_batch=rows, precision="fp32", optimizer="adamw",
+                                         optimizer_impl="fused", device="cuda", **options)
+        return calculator.predict(shape, setup).total
+
+    tiny = calculator.ModelConfig(p["NUM_LAYERS"], p["D_MODEL"], p["NUM_HEADS"], p["VOCAB_SIZE"], max_seq_len=seq,
+                                  arch="gpt", name="17's TinyTransformer")
+    llama = calculator.model_config_from_hf(LlamaConfig(
+        vocab_size=p["LLAMA_VOCAB"], hidden_size=p["LLAMA_HIDDEN"], intermediate_size=4 * p["LLAMA_HIDDEN"],
+        num_hidden_layers=p["LLAMA_LAYERS"], num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq,
+        use_cache=False, attn_implementation="sdpa"))
+    accumulated = calculator.TrainingSetup(seq_len=seq, precision="bf16-autocast", optimizer="adamw",
+                                           optimizer_impl="fused", accumulation_steps=p["LLAMA_PIECES"],
+                                           checkpointing="every_block", device="cuda", padded=True, loss="shifted-sum")
+    fits = calculator.largest_micro_batch(llama, accumulated, p["LLAMA_BUDGET_MIB"] * 2**20)
+    whole_batches = max(plain_fp32_step(tiny, p["RECIPE_BATCH"]),
+                        plain_fp32_step(llama, max(p["RECIPE_BATCH"], 2 * fits), padded=True, loss="shifted-sum"))
+    budgets = max(p["BUDGET_MIB"], p["LLAMA_BUDGET_MIB"]) * 2**20
     return {
-        "the larger search budget (reserved bytes, cache included)": max(p["BUDGET_MIB"], p["LLAMA_BUDGET_MIB"]) * 2**20,
-        "outside the budget: the MFU's matmul and what a run keeps": GIB // 2,
+        "the larger of the search budgets and the whole-batch gradient checks": max(budgets, whole_batches),
+        "the MFU's peak matmul (three 16-bit tensors)": 3 * 2 * p["MFU_MATMUL_SIZE"] ** 2,
+        "the models and optimizers a cell keeps alive": GIB // 4,
     }
 
 
 def predict_10(p: dict) -> dict[str, int]:
-    """10 fewer bits: an upper bound that adds up what its sections keep, as if all were alive at once.
+    """10 fewer bits: what stays alive from section to section, plus the largest of the sections' own peaks.
 
-    - section 2's full fine-tuning step of its TinyTransformer in fp32 with AdamW (16 B per parameter) and its
-      activations, bounded by 40 fp32 (B, T, C) tensors per block plus three fp32 (B, T, V) tensors (the logits,
-      their fp32 copy for the loss, their gradient);
-    - the fp32 base model of section 1 (4 B per parameter) and section 4's four trained models, kept for
-      section 5 (one fp32, three bf16: 10 B per parameter);
-    - section 4's fp32 and bf16 copies of every weight (the lost-update counts, the repeated updates): at most
-      6 fp32 copies;
-    - section 3's transformers Llama, twice (prepared and not), each at most the TinyTransformer's fp32 state.
+    Alive once made (upper bounds):
+    - section 1's fp32 base model (4 B per parameter of the TinyTransformer) and section 4's four trained models,
+      kept for section 5 (one fp32, three bf16: 10 B per parameter);
+    - section 2's QLoRA models (the dequantisation count's, the paged-optimizer measurement's) and section 3's three
+      Llamas (prepared, not, and bf16 LoRA): each at most 4 B per TinyTransformer parameter (its bf16 or 4-bit
+      weights, fp32 upcast embeddings and head, adapters and their AdamW state; the Llama's FFN is half as wide);
+    - section 5's captured activations and gradients (4 C wide, one of each per block, fp32).
+
+    The largest of the sections' transient peaks (one runs at a time):
+    - section 2's full fine-tuning step of the TinyTransformer in fp32 with AdamW (16 B per parameter) and its
+      activations, bounded by 40 fp32 (B, T, C) tensors per block plus three fp32 (B, T, V) tensors;
+    - section 3's two wide-vocabulary Llamas, alive together until their cell deletes them: embeddings and heads in
+      fp32, Linear weights in bf16 at most, and six fp32 (B, T, V) tensors of logits, their copies and gradients;
+    - section 4's fp32 and bf16 copies of every weight (the lost-update counts, the repeated updates): 6 fp32 copies;
+    - section 5's capture step on the fp32 model (the activations bound above) and eight (B T, 4 C) fp32 copies in
+      the scaling table; section 1's NF4, INT4 and FP4 comparison (40 B per element of its two weights) is smaller.
     """
     model = _meta(lambda: utils.TinyTransformer(p["VOCAB"], p["D_MODEL"], p["NUM_HEADS"], p["NUM_LAYERS"],
                                                 max_seq_len=p["SEQ_LEN"]))
     tokens = p["BATCH_SIZE"] * p["SEQ_LEN"]
-    return {
-        "full fine-tuning: fp32 AdamW model state": _state(model),
-        "full fine-tuning: activations and logits": 4 * tokens * (40 * p["NUM_LAYERS"] * p["D_MODEL"] + 3 * p["VOCAB"]),
-        "section 1's base model and section 4's trained models": 14 * utils.count_parameters(model),
+    width, heads, layers = p["D_MODEL"], p["NUM_HEADS"], p["NUM_LAYERS"]
+    kv_width = width // heads * (heads // 2)                                 # the notebook's Llama: half the kv heads
+    shapes = [(width, width), (kv_width, width), (kv_width, width), (width, width),
+              (2 * width, width), (2 * width, width), (width, 2 * width)] * layers
+    saving = sum(2 * o * i - utils.lowbit.nf4_storage_bytes(o * i, p["NF4_BLOCK"]) for o, i in shapes)
+    wide_vocab = 64 * math.ceil(2 * math.ceil((saving / 2 - (2 * layers + 1) * width) / (2 * width)) / 64)
+    activations = 4 * tokens * (40 * layers * width + 3 * p["VOCAB"])
+    hidden_row = 4 * tokens * 4 * width                                      # one fp32 (B T, 4 C) tensor
+    transient = {
+        "section 2's full fine-tuning step": _state(model) + activations,
+        "section 3's wide-vocabulary Llamas": 2 * (4 * 2 * wide_vocab * width + 2 * sum(o * i for o, i in shapes))
+                                              + 6 * 4 * tokens * wide_vocab,
         "section 4's copies of the weights": 6 * _weights(model),
-        "section 3's two Llamas": 2 * _state(model),
+        "section 5's capture step and scaling table": activations + 8 * hidden_row,
+        "section 1's NF4, INT4 and FP4 comparison": 2 * 40 * p["NF4_COMPARE_ROWS"] * 1024,
+    }
+    largest = max(transient, key=transient.get)
+    return {
+        "section 1's base model and section 4's trained models": 14 * utils.count_parameters(model),
+        "section 2's two QLoRA models and section 3's three Llamas": 5 * _weights(model),
+        "section 5's captured activations and gradients": 2 * layers * hidden_row,
+        f"the largest transient peak: {largest}": transient[largest],
     }
 
 
@@ -410,13 +495,16 @@ PREDICTIONS: dict[str, Callable[[dict], dict[str, int]]] = {
     "10_fewer_bits_4bit_bf16_fp8": predict_10,
     "11_long_sequences_attention_memory": predict_11,
     "12_distributed_ddp_zero_fsdp": predict_12,
+    "15_when_training_generates": predict_15,
     "16_checkpoint_and_resume": predict_16,
     "17_capstone_fit_then_fast": predict_17,
 }
 NOTEBOOKS = {path.stem: path for path in list_notebooks()}
 # notebooks that never allocate GPU memory, with the reason (their sizes cannot outgrow a card)
 CPU_ONLY = {"13_model_parallel_tp_sp_pp_cp": "its ranks run on the CPU with gloo (speed is the only GPU-only "
-                                            "figure, and the notebook measures none)"}
+                                            "figure, and the notebook measures none)",
+            "14_mixture_of_experts": "every measurement runs on the CPU: the exact tracker's bytes, gloo ranks, "
+                                     "and the grouped GEMM timed on the CPU (its parameters cell sets DEVICE = 'cpu')"}
 
 
 @pytest.mark.parametrize("memory_class_gb", utils.MEMORY_CLASSES_GB)
