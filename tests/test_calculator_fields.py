@@ -20,7 +20,8 @@ from utils.calculator.validate_hf import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-                  "phi3": "Phi3Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "gpt2": "GPT2Config"}
+                  "phi3": "Phi3Config", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "gpt2": "GPT2Config",
+                  "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig", "olmoe": "OlmoeConfig"}
 
 
 def config_class(model_type):

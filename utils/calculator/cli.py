@@ -60,6 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--use-reentrant", action="store_true",
                        help="with --checkpointing every_block: gradient_checkpointing_kwargs={'use_reentrant': True}")
     train.add_argument("--chunked-loss", type=int, default=0, help="tokens per chunk (0: the whole logits)")
+    train.add_argument("--routing", choices=("balanced",), default=None,
+                       help="a mixture of experts: every expert receives T·k / E of the (token, slot) pairs (default)")
+    train.add_argument("--tokens-per-expert", default=None, metavar="N,N,...",
+                       help="a mixture of experts: the pairs each expert receives in every MoE layer, comma-separated "
+                            "(';' between layers), summing to micro-batch x seq-len x k")
     train.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
     train.add_argument("--strategy", choices=STRATEGIES, default="single")
     train.add_argument("--ranks", type=int, default=1)
@@ -93,10 +98,25 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _routing(args: argparse.Namespace, parser: argparse.ArgumentParser) -> object:
+    """``--routing`` / ``--tokens-per-expert`` as ``TrainingSetup.routing``."""
+    if args.tokens_per_expert is None:
+        return args.routing
+    if args.routing is not None:
+        parser.error("--routing balanced and --tokens-per-expert both give the routing: expected one of them")
+    try:
+        layers = [tuple(int(n) for n in layer.split(",")) for layer in args.tokens_per_expert.split(";")]
+    except ValueError:
+        parser.error(f"--tokens-per-expert {args.tokens_per_expert!r}: expected integers separated by commas (and "
+                     "';' between layers), such as 9,7,8,8")
+    return layers[0] if len(layers) == 1 else tuple(layers)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line; returns the exit status."""
     parser = _parser()
     args = parser.parse_args(argv)
+    args.routing_value = _routing(args, parser)
     if args.validate_hf:
         from .validate_hf import HF_VALIDATION_HEADER, format_hf_validation_row, validate_hf, versions
 
@@ -140,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               device=args.device, lora_dropout=args.lora_dropout, padded=args.padded, loss=args.loss,
                               base_quant=args.base_quant, quant_block=args.quant_block,
                               kbit_prepared=args.kbit_prepared, bf16_rounding=args.bf16_rounding, fp8=args.fp8,
-                              outputs=args.outputs, reentrant=args.use_reentrant)
+                              outputs=args.outputs, reentrant=args.use_reentrant, routing=args.routing_value)
         breakdown = predict(model, setup)
     except ValueError as error:
         parser.error(str(error))

@@ -190,6 +190,21 @@ def _divisors_near(width: int, heads: int) -> str:
     return " or ".join(str(d) for d in sorted(near[:3]))
 
 
+def _routing(value: Any) -> Any:
+    """``TrainingSetup.routing`` checked and made hashable: None, ``"balanced"``, or tokens per expert (a tuple of ints
+    >= 0, or one such tuple per MoE layer)."""
+    if value is None or value == "balanced":
+        return value
+    counts = _frozen(value) if isinstance(value, (list, tuple)) else None
+    flat = counts and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts)
+    nested = counts and all(isinstance(layer, tuple) and layer and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in layer) for layer in counts)
+    if not (flat or nested):
+        raise ValueError(f"routing must be None, 'balanced', tokens per expert (ints >= 0) or one such list per MoE "
+                         f"layer, got {value!r}")
+    return counts
+
+
 @dataclass(frozen=True)
 class TrainingSetup:
     """How the model is trained: one optimizer step of ``accumulation_steps`` micro-batches per device.
@@ -260,6 +275,10 @@ class TrainingSetup:
         optimizer_options: the keyword arguments given to the optimizer's constructor (a dict, kept as sorted
             pairs): what changes memory is replayed or refused, the rest (``lr``, ``betas``, ...) is read and
             needs nothing (``optimizers.OPTIMIZER_OPTIONS`` says which is which).
+        routing: a mixture of experts' routing (notebook 14; refused for a dense model): None or ``"balanced"``
+            (every expert receives ``T·k / E`` of a micro-batch's ``T·k`` (token, slot) pairs), or the tokens per
+            expert that the router chose, one tuple of ``E`` counts per MoE layer (or one tuple for every layer),
+            each summing to ``micro_batch · seq_len · k``: the same in every micro-batch. The MoE family checks it.
 
     Raises:
         ValueError: an unknown choice, a non-positive size, a strategy that needs more ranks than
@@ -294,6 +313,7 @@ class TrainingSetup:
     outputs: str | None = None
     reentrant: bool = False
     optimizer_options: tuple[tuple[str, Any], ...] = ()
+    routing: Any = None
 
     def __post_init__(self) -> None:
         positive_int("micro_batch", self.micro_batch, "sequences per device")
@@ -342,6 +362,7 @@ class TrainingSetup:
             object.__setattr__(self, "optimizer_options", _frozen(dict(options)))
         else:
             raise ValueError(f"optimizer_options must be a dict of the optimizer's keyword arguments, got {options!r}")
+        object.__setattr__(self, "routing", _routing(self.routing))
         if self.optimizer == "adamw8bit" and self.optimizer_impl != "for-loop":
             raise ValueError("utils.AdamW8bit updates one tensor at a time: expected optimizer_impl 'for-loop' "
                              f"with optimizer 'adamw8bit', got {self.optimizer_impl!r}")

@@ -32,6 +32,7 @@ SHIPPED_CONFIGS = {
     "llama-2-70b": "llama-2-70b.json", "mistral-7b": "mistral-7b.json", "qwen2.5-7b": "qwen2.5-7b.json",
     "qwen3-8b": "qwen3-8b.json", "phi-3-mini-4k": "phi-3-mini-4k.json", "gemma-2-9b": "gemma-2-9b.json",
     "gemma-3-4b-text": "gemma-3-4b-text.json", "gpt2": "gpt2.json",
+    "mixtral-8x7b": "mixtral-8x7b.json", "qwen3-30b-a3b": "qwen3-30b-a3b.json", "olmoe-1b-7b": "olmoe-1b-7b.json",
 }
 
 

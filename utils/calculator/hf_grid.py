@@ -26,6 +26,11 @@ def _tiny_gpt2(**changes: Any) -> Any:
     return ModelConfig(**fields)
 
 
+MOE_TINY = {"mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+            "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, head_dim=8),
+            "olmoe": dict(num_experts=8, num_experts_per_tok=2)}
+
+
 def tiny_config(model_type: str, **fields: Any) -> dict[str, Any]:
     """A tiny transformers config as a reader's config.json gives it (2 layers, width 32, 4 heads, 2 kv heads, 16
     positions, a vocabulary of 64), read by ``model_config_from_hf`` and built by transformers from the same dict."""
@@ -39,6 +44,8 @@ def tiny_config(model_type: str, **fields: Any) -> dict[str, Any]:
         out["head_dim"] = 8
     if model_type in ("gemma2", "gemma3_text"):
         out["sliding_window"] = 8
+    if model_type in MOE_TINY:                        # 8 experts, 2 per token (Qwen3-MoE: experts 24 wide)
+        out.update(MOE_TINY[model_type])
     out.update(fields)
     return out
 
@@ -168,11 +175,31 @@ def hf_validation_grid(check: bool = False) -> list[tuple[str, Any, Any]]:
         ("gpt2 shifted-sum accumulation 2", gpt2, s(loss="shifted-sum", accumulation_steps=2, padded=True,
                                                     optimizer_impl="foreach")),
         ("gpt2 reentrant lora autocast", gpt2, s(checkpointing=ck, reentrant=True, lora_rank=4, precision=ac)),
+        # mixtures of experts (notebook 14): 8 experts, 2 per token unless said; LoRA on the experts is peft's
+        ("mixtral fp32", t("mixtral"), s()),
+        ("mixtral autocast lora experts ckpt", t("mixtral"), s(precision=ac, lora_rank=4, lora_targets=("w1", "w2", "w3"),
+                                                             checkpointing=ck)),
+        ("mixtral bf16 window 8 padded", t("mixtral", sliding_window=8), s(precision=bf, padded=True)),
+        ("mixtral eager dropout top-4 accum 2", t("mixtral", attention_dropout=0.1, num_experts_per_tok=4,
+                                                       attn_implementation="eager"), s(accumulation_steps=2)),
+        ("qwen3_moe fp32 norm_topk 32 tokens", t("qwen3_moe", norm_topk_prob=True), s(seq_len=32)),
+        ("qwen3_moe bf16 lora q+experts dense", t("qwen3_moe", mlp_only_layers=[1]),
+         s(precision=bf, lora_rank=4, lora_targets=("q_proj", "gate_proj", "up_proj", "down_proj"))),
+        ("qwen3_moe autocast reentrant step 2", t("qwen3_moe", decoder_sparse_step=2, attention_dropout=0.1),
+         s(precision=ac, checkpointing=ck, reentrant=True)),
+        ("qwen3_moe window 8 lora attention", t("qwen3_moe", use_sliding_window=True, sliding_window=8),
+         s(lora_rank=4, lora_targets="attention", outputs=drop)),
+        ("olmoe fp32 top-1", t("olmoe", num_experts_per_tok=1), s()),
+        ("olmoe autocast lora down,k ckpt", t("olmoe"), s(precision=ac, lora_rank=4, lora_targets=("down_proj", "k_proj"),
+                                                          checkpointing=ck)),
+        ("olmoe bf16 norm_topk padded dropout", t("olmoe", norm_topk_prob=True, attention_dropout=0.1),
+         s(precision=bf, padded=True)),
     ]
     if not check:
         return grid
     subset = ("notebook 17: padded shifted-sum fused", "llama attn dropout sdpa gqa, logits kept",
               "phi3 autocast resid and attn dropout", "gpt2 lora c_attn,c_fc checkpointing",
               "qwen2 sliding eager reentrant lora, step", "qwen3 autocast lora checkpointing",
-              "gemma2 bf16 lora checkpointing", "gemma3 padded lora autocast")
+              "gemma2 bf16 lora checkpointing", "gemma3 padded lora autocast", "mixtral autocast lora experts ckpt",
+              "qwen3_moe bf16 lora q+experts dense", "olmoe bf16 norm_topk padded dropout")
     return [row for row in grid if row[0] in subset]

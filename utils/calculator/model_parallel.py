@@ -20,6 +20,7 @@ communication buffers, inputs), and the busiest stage's. On the command line (wi
 utils.calculator`` by ``add_arguments`` and ``run``)::
 
     python -m utils.calculator --hf-config llama-2-70b --tp 8 --pp 4 --dp 2 --zero 1 --schedule 1f1b --micro-batches 16
+    python -m utils.calculator --hf-config mixtral-8x7b --dp 8 --ep 8 --zero 3 --checkpointing every_block
 
 Exactness. On the CPU, in fp32, the model-state terms (parameters, gradients, AdamW's state and step counters,
 FSDP2's dim-0 shards, tensor-parallel shards, a stage's layers), the activations of the course's block under
@@ -43,6 +44,7 @@ import math
 from typing import Any, Iterable, Sequence
 
 from .config import TrainingSetup
+from .expert_parallel import busiest_received_rows, moe_layer_saved_bytes
 from .optimizers import ADAMW8BIT_CODEBOOKS, state_bytes
 from .parallel_layout import (CATEGORIES, SCHEDULES, ZERO_LABELS, ZERO_STAGES, ParallelBreakdown,  # noqa: F401
                               ParallelLayout, StageBytes, bubble_fraction, layout_for_world,
@@ -66,6 +68,14 @@ def check_layout(model: ParallelModel, setup: TrainingSetup, layout: ParallelLay
         if tensor.tp_dim is not None and tensor.shape[tensor.tp_dim] % tp:
             raise ValueError(f"{tensor.name} {tensor.shape}: dim {tensor.tp_dim} is not divisible by tp = {tp}: expected "
                              "a tp that divides every split dimension")
+    if layout.ep > 1 and not model.experts:
+        raise ValueError(f"ep = {layout.ep}: expert parallelism splits a mixture of experts' experts, and {model.name} "
+                         "has none: expected ep=1")
+    if model.experts and model.experts % layout.ep:
+        raise ValueError(f"{model.experts} experts per layer cannot be split over ep = {layout.ep} ranks: expected an "
+                         "ep that divides the experts")
+    if setup.routing is not None and not model.experts:
+        raise ValueError(f"routing is a mixture of experts' input, and {model.name} has no experts: expected None")
     if layout.pp > model.layers:
         raise ValueError(f"{layout.pp} pipeline stages for {model.layers} layers: expected at most one stage per layer "
                          f"(pp <= {model.layers})")
@@ -95,7 +105,8 @@ def check_layout(model: ParallelModel, setup: TrainingSetup, layout: ParallelLay
                          "instead): expected chunked_loss=0")
 
 
-def layer_activation_bytes(model: ParallelModel, setup: TrainingSetup, layout: ParallelLayout) -> dict[str, int]:
+def layer_activation_bytes(model: ParallelModel, setup: TrainingSetup, layout: ParallelLayout,
+                           moe: bool = False) -> dict[str, int]:
     """Bytes one layer keeps for backward for one micro-batch on one rank, by where they live.
 
     Per token (``C`` width, ``F`` MLP width, ``H`` heads, ``e`` bytes per element: 4 in fp32, 2 otherwise): the
@@ -106,16 +117,22 @@ def layer_activation_bytes(model: ParallelModel, setup: TrainingSetup, layout: P
     the attention output (``gpt``: ``4C``; ``llama``: ``2C + 2·kv``), the attention's fp32 log-sum-exp (``H``),
     the MLP's hidden layers (``gpt``: ``2F``, before and after GELU; ``llama``: ``4F``, gate, up, SiLU(gate) and
     their product) are split 1/tp ("sharded"). Tokens are ``micro_batch · seq_len / cp``. For the course's block
-    in fp32 (notebook 13) this is exact; for ``llama`` in bf16 it is a count, not measured.
+    in fp32 (notebook 13) this is exact; for ``llama`` in bf16 it is a count, not measured. ``moe``: a mixture of
+    experts' layer, whose attention is counted here and whose MoE layer ``expert_parallel.moe_layer_saved_bytes``
+    counts (its input included).
     """
     e = 4 if setup.precision == "fp32" else 2
     tokens = setup.micro_batch * setup.seq_len // layout.cp
     c, f, h, tp = model.width, model.ffn, model.heads, layout.tp
-    kv = model.kv_heads * (c // model.heads)
+    q = h * (model.head_dim or c // h)                           # the queries' and the attention output's width
+    kv = model.kv_heads * (q // h)
     stats = 2 * 2 * 4 if model.design == "gpt" else 2 * 4
-    inner = (4 * c + 2 * f) * e if model.design == "gpt" else (2 * c + 2 * kv + 4 * f) * e
+    inner = (4 * c + 2 * f) * e if model.design == "gpt" else (2 * q + 2 * kv + 4 * f) * e
+    norm_outputs = tokens * 2 * c * e
+    if moe:                  # an MoE layer: the attention alone here (the MoE layer keeps its own input, counted apart)
+        inner, norm_outputs = (2 * q + 2 * kv) * e, tokens * c * e
     sharded = tokens * (inner + h * 4) // tp
-    stream, norm_outputs = tokens * (2 * c * e + stats), tokens * 2 * c * e
+    stream = tokens * (2 * c * e + stats)
     if tp > 1 and layout.sequence_parallel:
         parts = {"replicated": 0, "sharded": sharded, "seq_sharded": stream // tp, "gathered": norm_outputs}
     else:
@@ -123,11 +140,12 @@ def layer_activation_bytes(model: ParallelModel, setup: TrainingSetup, layout: P
     return parts | {"total": sum(parts.values())}
 
 
-def _local_shape(tensor: ParallelTensor, tp: int) -> tuple[int, ...]:
-    if tensor.tp_dim is None or tp == 1:
-        return tensor.shape
+def _local_shape(tensor: ParallelTensor, tp: int, ep: int = 1) -> tuple[int, ...]:
     shape = list(tensor.shape)
-    shape[tensor.tp_dim] //= tp
+    if tensor.expert:                                           # expert parallelism: E / ep experts on each rank
+        shape[0] //= ep
+    if tensor.tp_dim is not None and tp > 1:
+        shape[tensor.tp_dim] //= tp
     return tuple(shape)
 
 
@@ -162,13 +180,21 @@ def _model_state(groups: Sequence[Sequence[ParallelTensor]], setup: TrainingSetu
     """Parameters, gradients, optimizer state of one GPU's tensors: tp shards, then ``data_parallel``'s ZeRO rules
     (FSDP2's padded dim-0 shards, ZeRO-2's flat gradient partitions, ZeRO-1/2's flat 1/N of the optimizer state)."""
     totals = [0, 0, 0, 0]
-    for group in groups:
-        shapes = tuple(_local_shape(t, layout.tp) for t in group)
-        for i, value in enumerate(_group_state(shapes, setup, layout.dp, layout.strategy)):
-            totals[i] += value
+    # the experts (E / ep of them) are replicated, or ZeRO-sharded, over the dp / ep copies of each expert rank
+    dp_experts = layout.dp // layout.ep
+    strategy_experts = ZERO_STAGES[layout.zero] if dp_experts > 1 else "single"
+    for experts in (False, True):
+        dp, strategy = (dp_experts, strategy_experts) if experts else (layout.dp, layout.strategy)
+        part = [0, 0, 0, 0]
+        for group in groups:
+            shapes = tuple(_local_shape(t, layout.tp, layout.ep) for t in group if t.expert == experts)
+            if shapes:
+                for i, value in enumerate(_group_state(shapes, setup, dp, strategy)):
+                    part[i] += value
+        if strategy in ("zero1", "zero2"):                       # a flat 1/N of the state; the counters by tensor
+            part[2], part[3] = math.ceil(part[2] / dp), 4 * math.ceil(part[3] // 4 / dp)
+        totals = [a + b for a, b in zip(totals, part)]
     parameters, gradients, elements, steps = totals
-    if layout.strategy in ("zero1", "zero2"):                    # a flat 1/N of the state; the counters by tensor
-        elements, steps = math.ceil(elements / layout.dp), 4 * math.ceil(steps // 4 / layout.dp)
     codebooks = 4 * sum(ADAMW8BIT_CODEBOOKS) if setup.optimizer == "adamw8bit" else 0   # once, on the optimizer
     return {"parameters": parameters, "gradients": gradients, "optimizer_state": elements + steps + codebooks}
 
@@ -212,11 +238,18 @@ def predict_parallel(model: Any, setup: TrainingSetup, layout: ParallelLayout) -
     item = 2 if setup.precision == "bf16" else 4
     tokens = setup.micro_batch * setup.seq_len // layout.cp
     layer = layer_activation_bytes(model, setup, layout)
+    per_layer_total = dict.fromkeys(range(model.layers), layer["total"])
+    received = 0
+    if model.experts:                  # a mixture of experts: the busiest expert-parallel rank's MoE layers
+        received = busiest_received_rows(model, tokens, layout.ep, _layer_routing(setup.routing))
+        attention = layer_activation_bytes(model, setup, layout, moe=True)["total"]
+        moe = attention + moe_layer_saved_bytes(model, tokens, tokens * model.top_k, received, e, layout.tp)
+        per_layer_total = {i: layer["total"] if i in model.dense_layers else moe for i in range(model.layers)}
     stream_split = layout.tp if layout.tp > 1 and layout.sequence_parallel else 1
     hidden = tokens * model.width * e // stream_split            # one (B, L, C) activation on this rank
     checkpointed = setup.checkpointing == "every_block"
     # Llama's rotary embedding keeps its inv_freq buffer (head_dim / 2 fp32 values) on every stage, as the replay does
-    rotary = model.width // model.heads // 2 * 4 if model.design == "llama" else 0
+    rotary = (model.head_dim or model.width // model.heads) // 2 * 4 if model.design in ("llama", "moe") else 0
     by_place: dict[int | str, list[ParallelTensor]] = {}
     for tensor in model.tensors:
         by_place.setdefault(tensor.place, []).append(tensor)
@@ -226,17 +259,19 @@ def predict_parallel(model: Any, setup: TrainingSetup, layout: ParallelLayout) -
         places = [*(["first"] if first else []), *layers, *(["last"] if last else [])]
         terms = dict.fromkeys(CATEGORIES, 0) | _model_state([by_place.get(p, []) for p in places], setup, layout)
         terms["parameters"] += rotary
-        per_layer = hidden if checkpointed else layer["total"]
-        one = len(layers) * per_layer - (hidden if first and not model.embedded else 0)
+        one = sum(hidden if checkpointed else per_layer_total[i] for i in layers) - (
+            hidden if first and not model.embedded else 0)
         in_flight = micro_batches_in_flight(s, layout.pp, layout.m, layout.schedule)
-        terms["activations"] = in_flight * one + (layer["total"] if checkpointed else 0)
+        terms["activations"] = in_flight * one + (max(per_layer_total[i] for i in layers) if checkpointed else 0)
         if first:
             terms["inputs"] = 2 * tokens * 8 if model.embedded else hidden   # token ids and targets, or the batch
         # the last stage keeps each micro-batch's loss input until that micro-batch's backward: the logits (split by
         # loss_parallel) and their fp32 log-softmax, or the last hidden state a regression loss saves
         loss_one = (tokens * model.vocab * (e + 4) // layout.tp if model.vocab else hidden) if last else 0
         terms["loss"] = in_flight * loss_one
-        layer_numel = [sum(math.prod(_local_shape(t, layout.tp)) for t in by_place.get(i, [])) for i in layers]
+        sharded_experts = layout.dp // layout.ep > 1                 # resident experts are not gathered
+        layer_numel = [sum(math.prod(_local_shape(t, layout.tp, layout.ep)) for t in by_place.get(i, [])
+                           if not t.expert or sharded_experts) for i in layers]
         two_layers = sum(sorted(layer_numel)[-2:])
         if layout.strategy == "fsdp":
             terms["comm_buffers"] = two_layers * (2 if setup.precision != "fp32" else item)
@@ -244,26 +279,41 @@ def predict_parallel(model: Any, setup: TrainingSetup, layout: ParallelLayout) -
             terms["comm_buffers"] = terms["gradients"]
         if setup.precision == "bf16-autocast" and layout.strategy != "fsdp":
             terms["weight_copies"] = two_layers * 2
+        if layout.ep > 1 and any(i not in model.dense_layers for i in layers):   # one all-to-all's rows at a time
+            terms["comm_buffers"] += (tokens * model.top_k + received) * model.width * e
         stages.append(StageBytes(stage=s, layers=layers, in_flight=in_flight, terms=terms,
                                  one_micro_batch_activations=one + loss_one))
-    kv = 2 * tokens * model.kv_heads * (model.width // model.heads) * e // layout.tp
+    kv = 2 * tokens * model.kv_heads * (model.head_dim or model.width // model.heads) * e // layout.tp
     details = {"layer activations": layer, "keys and values per layer": kv,
                "bubble": bubble_fraction(layout.pp, layout.m)}
+    if model.experts:
+        details["received rows (busiest expert rank)"] = received
     return ParallelBreakdown(model=model, setup=setup, layout=layout, stages=tuple(stages), details=details)
+
+
+def _layer_routing(routing: Any) -> Any:
+    """TrainingSetup.routing as expert parallelism reads it: every rank routes its micro-batch alike; per MoE layer
+    (a tuple per layer), the busiest layer's (the one whose busiest rank receives the most)."""
+    if routing is None or routing == "balanced" or isinstance(routing[0], int):
+        return routing
+    return max(routing, key=lambda counts: max(counts))
 
 
 # --- searching and printing ----------------------------------------------------------------------------------------
 
 def candidate_layouts(max_gpus: int = 4096, tp_degrees: Sequence[int] = (1, 2, 4, 8),
                       pp_degrees: Sequence[int] = (1, 2, 4, 8, 16), cp_degrees: Sequence[int] = (1, 2, 4),
-                      zero_stages: Sequence[int] = (0, 1, 3), **options: Any) -> list[ParallelLayout]:
-    """Every layout with power-of-two data-parallel degrees up to ``max_gpus`` GPUs (tp within one 8-GPU node)."""
+                      zero_stages: Sequence[int] = (0, 1, 3), ep_degrees: Sequence[int] = (1,),
+                      **options: Any) -> list[ParallelLayout]:
+    """Every layout with power-of-two data-parallel degrees up to ``max_gpus`` GPUs (tp within one 8-GPU node), and
+    each expert-parallel degree of ``ep_degrees`` that divides its dp (a mixture of experts)."""
     layouts = []
     for tp, pp, cp, zero in itertools.product(tp_degrees, pp_degrees, cp_degrees, zero_stages):
         dp = 1
         while dp * tp * pp * cp <= max_gpus:
             if zero == 0 or dp > 1:
-                layouts.append(ParallelLayout(tp=tp, pp=pp, cp=cp, dp=dp, zero=zero, **options))
+                layouts += [ParallelLayout(tp=tp, pp=pp, cp=cp, dp=dp, zero=zero, ep=ep, **options)
+                            for ep in ep_degrees if dp % ep == 0]
             dp *= 2
     return layouts
 
@@ -272,13 +322,21 @@ def smallest_fitting_layout(model: Any, setup: TrainingSetup, device_bytes: floa
                             layouts: Iterable[ParallelLayout] | None = None) -> ParallelBreakdown | None:
     """The layout with the fewest GPUs whose busiest GPU fits ``device_bytes`` (ties: the least memory per GPU).
 
-    Layouts the model or the sequence cannot be split into are skipped; None when nothing fits.
+    Layouts the model or the sequence cannot be split into are skipped; None when nothing fits. A mixture of experts
+    is also tried with every power-of-two expert-parallel degree that divides its experts.
     """
     model = as_parallel_model(model)
+    if layouts is None and model.experts:
+        layouts = candidate_layouts(ep_degrees=[2 ** i for i in range(model.experts.bit_length())
+                                                if model.experts % 2 ** i == 0])
     by_gpus: dict[int, list[ParallelLayout]] = {}
     for layout in layouts if layouts is not None else candidate_layouts():
         by_gpus.setdefault(layout.gpus, []).append(layout)
+    # every GPU's model state together is at least one copy's, so the busiest holds at least 1/gpus of it
+    floor = sum(_model_state([model.tensors], setup, ParallelLayout()).values())
     for gpus in sorted(by_gpus):                 # the fewest GPUs first: stop at the first count where one fits
+        if floor / gpus > device_bytes:
+            continue
         fitting = []
         for layout in by_gpus[gpus]:
             try:
@@ -320,12 +378,15 @@ def format_parallel(breakdown: ParallelBreakdown, device_bytes: float | None = N
 # --- the command line (wired into python -m utils.calculator) -------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--tp --pp --cp --dp --zero --schedule --micro-batches --no-sequence-parallel`` to the calculator's parser."""
+    """Add ``--tp --pp --cp --dp --ep --zero --schedule --micro-batches --no-sequence-parallel`` to the calculator's
+    parser."""
     group = parser.add_argument_group("model parallelism (any of these switches to the per-stage prediction)")
     group.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     group.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     group.add_argument("--cp", type=int, default=1, help="context-parallel degree (default 1)")
     group.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
+    group.add_argument("--ep", type=int, default=1,
+                       help="expert-parallel degree, taken from --dp (a mixture of experts: E / ep experts per GPU)")
     group.add_argument("--zero", type=int, choices=sorted(ZERO_STAGES), default=0,
                        help="with --dp: 0 DDP, 1 ZeRO-1, 2 ZeRO-2, 3 FSDP (default 0)")
     group.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (default 1f1b)")
@@ -336,8 +397,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def wants_model_parallel(args: argparse.Namespace) -> bool:
     """Whether the command line asked for any model-parallel flag (``cli.main`` then calls ``run``)."""
-    return (args.tp, args.pp, args.cp, args.dp, args.zero, args.schedule, args.micro_batches,
-            args.no_sequence_parallel) != (1, 1, 1, 1, 0, "1f1b", None, False)
+    return (args.tp, args.pp, args.cp, args.dp, args.ep, args.zero, args.schedule, args.micro_batches,
+            args.no_sequence_parallel) != (1, 1, 1, 1, 1, 0, "1f1b", None, False)
 
 
 def run(args: argparse.Namespace) -> str:
@@ -364,8 +425,9 @@ def run(args: argparse.Namespace) -> str:
     impl = getattr(args, "impl", None) or ("for-loop" if args.optimizer == "adamw8bit" else "foreach")
     setup = TrainingSetup(micro_batch=args.micro_batch, seq_len=args.seq_len, precision=args.precision,
                           optimizer=args.optimizer, optimizer_impl=impl, checkpointing=args.checkpointing,
-                          device=args.device)
+                          device=args.device, routing=getattr(args, "routing_value", None))
     layout = ParallelLayout(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, zero=args.zero, schedule=args.schedule,
-                            micro_batches=args.micro_batches, sequence_parallel=not args.no_sequence_parallel)
+                            micro_batches=args.micro_batches, sequence_parallel=not args.no_sequence_parallel,
+                            ep=args.ep)
     device_bytes = args.device_gb * 1e9 if getattr(args, "device_gb", 0) else None
     return format_parallel(predict_parallel(model, setup, layout), device_bytes)

@@ -30,6 +30,10 @@ class ParallelLayout:
         pp: pipeline stages (contiguous layers each; the embedding on the first, the final norm and head on the last).
         cp: context-parallel degree (the sequence split ``cp`` ways inside attention: ring attention).
         dp: data-parallel ranks, replicating (``zero=0``, DDP) or sharding (``zero`` 1, 2, 3 = FSDP) the model state.
+        ep: expert-parallel degree (a mixture of experts): each of ``ep`` data-parallel ranks holds ``E / ep`` of every
+            layer's experts and receives the tokens routed to them (two all-to-alls each way); it borrows its ranks
+            from ``dp`` (which it must divide, as torchtitan's and the notebook 14 ranks' layout), so the GPUs stay
+            ``dp · tp · pp · cp``; the experts' state is replicated (or ZeRO-sharded) over the ``dp / ep`` copies.
         zero: 0 (DDP), 1 (optimizer state sharded), 2 (and gradients), 3 (FSDP: parameters too).
         sequence_parallel: with ``tp > 1``, the norms and residual stream split along the sequence.
         schedule: ``"1f1b"`` or ``"gpipe"``.
@@ -47,8 +51,14 @@ class ParallelLayout:
     sequence_parallel: bool = True
     schedule: str = "1f1b"
     micro_batches: int | None = None
+    ep: int = 1
 
     def __post_init__(self) -> None:
+        if self.ep != 1:                              # expert parallelism borrows data-parallel ranks
+            positive_int("ep", self.ep)
+            if self.dp % self.ep:
+                raise ValueError(f"ep = {self.ep} expert-parallel ranks are taken from the dp = {self.dp} data-parallel "
+                                 f"ranks: expected an ep that divides dp")
         for name in ("tp", "pp", "cp", "dp"):
             positive_int(name, getattr(self, name))
         if self.zero not in ZERO_STAGES:
@@ -82,6 +92,7 @@ class ParallelLayout:
     def label(self) -> str:
         """e.g. ``dp2 (ZeRO-1) × tp8 × pp4 × cp2``."""
         parts = [f"dp{self.dp} ({ZERO_LABELS[self.zero]})"] if self.dp > 1 else []
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += [f"{name}{degree}" for name, degree in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp))
                   if degree > 1]
         return " × ".join(parts) or "one GPU"

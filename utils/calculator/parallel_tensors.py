@@ -15,19 +15,22 @@ from .config import ModelConfig
 from .data_parallel import unit_of
 from .shapes import parameter_shapes
 
-DESIGNS = ("gpt", "llama")            # per-layer activations: LayerNorm + GELU MLP, or RMSNorm + SwiGLU + GQA
+DESIGNS = ("gpt", "llama", "moe")     # per-layer activations: LayerNorm + GELU MLP, RMSNorm + SwiGLU + GQA, or that
+                                      # attention with a sparse MoE layer (expert_parallel.py)
 
 # --- the model ---------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class ParallelTensor:
     """One parameter tensor: its shape, the dimension tensor parallelism splits (None: whole on every rank), and
-    where it lives: a layer index, or ``"first"`` / ``"last"`` (before or after the layers: the pipeline's ends)."""
+    where it lives: a layer index, or ``"first"`` / ``"last"`` (before or after the layers: the pipeline's ends);
+    ``expert``: a stack of experts, dim 0 one per expert (expert parallelism splits it)."""
 
     name: str
     shape: tuple[int, ...]
     tp_dim: int | None
     place: int | str
+    expert: bool = False
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,11 @@ class ParallelModel:
         design: ``"gpt"`` (LayerNorm, GELU MLP ``ffn`` wide; also notebook 13's ``Block``) or ``"llama"``
             (RMSNorm, SwiGLU, grouped-query attention).
         embedded: the first layer's input comes from an embedding (an activation); False: it is the batch.
+        experts, top_k, expert_ffn, normalize: a mixture of experts' layer (``experts`` 0: a dense model): experts
+            per layer, per token, each expert's width, the top-k weights renormalised.
+        dense_layers: layers whose MLP is dense in a mixture of experts (Qwen3-MoE's ``mlp_only_layers``).
+        head_dim: each head's width where the heads do not tile the width (Qwen3-MoE's 128 x 32 heads on 2048;
+            the ``moe`` design reads it); 0: ``width / heads``.
     """
 
     name: str
@@ -55,6 +63,12 @@ class ParallelModel:
     vocab: int
     design: str = "gpt"
     embedded: bool = True
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    normalize: bool = True
+    dense_layers: tuple[int, ...] = ()
+    head_dim: int = 0
 
     @classmethod
     def from_config(cls, model: ModelConfig) -> "ParallelModel":
@@ -64,15 +78,21 @@ class ParallelModel:
             raise TypeError(f"expected a utils.calculator.ModelConfig, got {type(model).__name__}")
         family = registry.family_of(model.arch)
         design = family.activation_design()
-        if model.head_dim * model.num_heads != model.d_model:
+        if model.head_dim * model.num_heads != model.d_model and design != "moe":
             raise ValueError(f"a head width of {model.head_dim} x {model.num_heads} heads != d_model {model.d_model}: "
                              "expected heads that tile the width")
         shapes = [(name, tuple(shape)) for name, shape, _ in parameter_shapes(model)]
-        tensors = tuple(ParallelTensor(name, shape, family.tensor_parallel_dim(name, shape), place)
+        tensors = tuple(ParallelTensor(name, shape, family.tensor_parallel_dim(name, shape), place,
+                                       ".mlp.experts." in name)
                         for (name, shape), place in zip(shapes, _places([name for name, _ in shapes])))
+        moe = {}
+        if design == "moe":                          # the MoE families keep their experts in ModelConfig.extra
+            moe = dict(head_dim=model.head_dim, experts=model.setting("experts"), top_k=model.setting("top_k"),
+                       expert_ffn=model.setting("expert_ffn"), normalize=model.setting("normalize"),
+                       dense_layers=tuple(model.setting("dense_layers")))
         return cls(name=model.name, tensors=tensors, layers=model.num_layers, width=model.d_model,
                    heads=model.num_heads, kv_heads=model.kv_heads, ffn=model.ffn, vocab=model.vocab_size,
-                   design=design)
+                   design=design, **moe)
 
     @classmethod
     def from_hf(cls, config: Any) -> "ParallelModel":
@@ -82,14 +102,17 @@ class ParallelModel:
 
     @classmethod
     def from_module(cls, module: Any, plan: Mapping[str, Any], *, heads: int, name: str = "module",
-                    design: str = "gpt") -> "ParallelModel":
+                    design: str = "gpt", experts: Sequence[str] = (), top_k: int = 0,
+                    normalize: bool = True) -> "ParallelModel":
         """An ``nn.Module`` whose blocks ``plan`` (one block's ``parallelize_module`` plan) splits.
 
         Parameters inside ``layers.<i>.`` (or ``blocks.<i>.``, ``h.<i>.``: ``data_parallel``'s FSDP units) are layer
         ``i``, the plan's names relative to the block; a module with no such list is one layer, the plan's names
         relative to the module. ``ColwiseParallel`` splits a weight's dim 0 (and its bias), ``RowwiseParallel``
         its dim 1 (the bias stays whole); everything else is whole on every rank. The first layer's input is the
-        batch (no embedding) and ``vocab`` is 0.
+        batch (no embedding) and ``vocab`` is 0. ``experts`` names the parameters that stack experts (dim 0 one per
+        expert, ``(E, 2F, C)`` then ``(E, C, F)``, as notebook 14's layer holds them), ``top_k`` the experts per
+        token: a mixture of experts whose other matrices are dense layers (``expert_parallel.py``).
         """
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
         named = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
@@ -105,8 +128,13 @@ class ParallelModel:
                 tp_dim = 0
             elif isinstance(style, RowwiseParallel) and kind == "weight":
                 tp_dim = 1
-            tensors.append(ParallelTensor(full, shape, tp_dim, place))
+            tensors.append(ParallelTensor(full, shape, tp_dim, place, full in experts))
         layers = max(u for u in units) + 1 if stacked else 1
+        if experts:                                   # (E, 2F, C): the experts' count, width and the stream's
+            stack = next(shape for n, shape in named if n == experts[0])
+            return cls(name=name, tensors=tuple(tensors), layers=layers, width=stack[2], heads=heads, kv_heads=heads,
+                       ffn=stack[1] // 2, vocab=0, design="moe", embedded=False, experts=stack[0], top_k=top_k,
+                       expert_ffn=stack[1] // 2, normalize=normalize)
         width = next(shape[0] for n, shape in named if n.endswith("norm.weight"))
         matrices = [shape for t, (_, shape) in zip(tensors, named) if t.tp_dim == 0 and len(shape) == 2]
         ffn = max(shape[0] for shape in matrices)

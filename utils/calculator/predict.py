@@ -118,7 +118,11 @@ def check(model: ModelConfig, setup: TrainingSetup) -> None:
         raise TypeError(f"model must be a ModelConfig, got {type(model).__name__}")
     if not isinstance(setup, TrainingSetup):
         raise TypeError(f"setup must be a TrainingSetup, got {type(setup).__name__}")
-    registry.family_of(model.arch).check_setup(model, setup)
+    family = registry.family_of(model.arch)
+    if setup.routing is not None and not getattr(family, "routes_tokens", False):
+        raise ValueError(f"routing {setup.routing!r} is a mixture of experts' input, and {model.name} has no experts: "
+                         "expected routing=None")
+    family.check_setup(model, setup)
     check_lowbit(model, setup)
     check_optimizer_options(setup)
 

@@ -9,4 +9,5 @@
   course's two designs share.
 """
 
-from . import course_gpt, course_llama, gemma2, gemma3, gpt2, llama, phi3, qwen3  # noqa: F401  (each registers)
+from . import (course_gpt, course_llama, gemma2, gemma3, gpt2, llama, mixtral, olmoe, phi3, qwen3,  # noqa: F401
+               qwen3_moe)  # each registers itself

@@ -32,6 +32,7 @@ from ..config import ModelConfig, TrainingSetup
 from ..loss import transformers_loss, transformers_step_begin
 from ..replay import _Leaf, _T
 from .base import Family, check_fields, require, rope_settings
+from .decoder_generation import GeneratingDecoder, kept_positions
 from .hf_modules import (causal_mask, copy_cat, lora_linear, maybe_dropout, rms_norm, rope, rotary,
                          sdpa_math)
 
@@ -40,7 +41,7 @@ _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "ga
 _ROW = ("o_proj", "down_proj")
 
 
-class TransformersDecoder(Family):
+class TransformersDecoder(GeneratingDecoder, Family):
     """transformers' decoder-only causal LMs: Llama's design, which the other families override piece by piece."""
 
     arch = ""
@@ -248,6 +249,12 @@ class TransformersDecoder(Family):
 
     def forward(self, r: Any, micro: int) -> _T:
         """``loss = model(input_ids, attention_mask=..., labels=...).loss`` (or the reader's own loss)."""
+        logits, final, cache = self.forward_logits(r, micro)
+        return transformers_loss(r, micro, logits, final, cache or [])
+
+    def forward_logits(self, r: Any, micro: int, keep: int = 0) -> tuple[_T, _T, list[_T] | None]:
+        """``model(input_ids, ...)`` up to its logits: (logits, the last hidden state, the cache's tensors).
+        ``keep``: ``logits_to_keep`` (0: every position; notebook 15's RL step keeps the answer's)."""
         model, setup = r.model, r.setup
         x = self.embed(r)
         inputs_embeds = r.view(x)                        # the model's local, alive until it returns
@@ -266,8 +273,11 @@ class TransformersDecoder(Family):
         for cos, sin in {id(pair): pair for pair in rotaries.values()}.values():
             r.rel(cos, sin)
         w = r.p("model.embed_tokens.weight" if model.tied_embeddings else "lm_head.weight")
-        logits = self.head(r, final, w)
-        return transformers_loss(r, micro, logits, final, cache or [])
+        kept = kept_positions(r, final, keep, setup.micro_batch, setup.seq_len, w)
+        logits = self.head(r, kept, w)
+        if kept is not final:
+            r.rel(kept)
+        return logits, final, cache
 
     def layers(self, r: Any, micro: int, x: _T, rotaries: dict, masks: dict, cache: list[_T] | None,
                position_ids: _T) -> _T:
@@ -380,6 +390,8 @@ class TransformersDecoder(Family):
                        cache: list[_T] | None) -> _T:
         """``LlamaAttention.forward``: projections, rotary, the cache's copies, attention, ``o_proj``."""
         prefix = f"model.layers.{layer}."
+        if getattr(r, "generating", None) is not None:   # inside generate (calculator/generate.py): its cache
+            return self.generating_attention(r, layer, n1, cos, sin, mask)
         q_rot, k_rot, v = self.project_qkv(r, prefix, n1, cos, sin, mask)
         if cache is not None:                            # DynamicCache.update: torch.cat([empty, states])
             k_cached = copy_cat(r, k_rot, prefix + "cache keys")

@@ -57,8 +57,9 @@ def gemma_rms_norm(r, x: _T, w: _T, label: str, width: int | None = None) -> _T:
 # --- the rotary embedding --------------------------------------------------------------------------------------
 
 def rotary(r, label: str = "") -> tuple[_T, _T]:  # noqa: ANN001
-    """``LlamaRotaryEmbedding.forward``: cos and sin of ``position_ids.float() * inv_freq``, in x's dtype."""
-    seq, hd = r.setup.seq_len, r.model.head_dim
+    """``LlamaRotaryEmbedding.forward``: cos and sin of ``position_ids.float() * inv_freq``, in x's dtype (the
+    position ids are (1, T) in training, (rows, T) inside ``generate``: ``r.position_rows``)."""
+    seq, hd = r.setup.seq_len * getattr(r, "position_rows", 1), r.model.head_dim
     half = hd // 2
     item = 2 if r.setup.precision == "bf16" else 4
     pos = r.new(seq, 4, "temporaries", f"{label}position_ids.float()")
@@ -170,6 +171,32 @@ def causal_mask(r, window: int | None, cached: bool) -> _T | None:  # noqa: ANN0
     return mask
 
 
+def generation_mask(r, window: int | None, rows: int, q_len: int, kv_len: int) -> _T:  # noqa: ANN001
+    """``sdpa_mask`` inside ``generate`` (no padding, a cache): the (q, kv) bool mask of ``causal_mask_function``
+    (``window`` None) or of ``and_masks(sliding_window_overlay, causal)``, expanded to the rows (a view); the
+    aranges go when it returns."""
+    aranges = [r.new(rows, 8, "temporaries", "arange(B)"), r.new(1, 8, "temporaries", "arange(1)")]
+    for name, length in (("q", q_len), ("kv", kv_len)):                     # arange(length) + offset
+        raw = r.new(length, 8, "temporaries", f"{name} arange")
+        aranges.append(r.new(length, 8, "temporaries", f"{name} arange + offset"))
+        r.rel(raw)
+    if window is None:                                                      # kv_idx <= q_idx
+        mask = r.new(q_len * kv_len, 1, "activations", "causal mask (bool)")
+        r.rel(*aranges)
+        return mask
+    ones = r.new(1, 1, "temporaries", "new_ones(())")
+    shifted = r.new(q_len, 8, "temporaries", "q_idx - sliding_window")
+    inside = r.new(q_len * kv_len, 1, "temporaries", "kv_idx > q_idx - window")
+    r.rel(shifted)
+    first = r.new(q_len * kv_len, 1, "temporaries", "result & window")
+    r.rel(inside, ones)
+    causal = r.new(q_len * kv_len, 1, "temporaries", "kv_idx <= q_idx")
+    mask = r.new(q_len * kv_len, 1, "activations", "sliding-window causal mask (bool)")
+    r.rel(causal, first)
+    r.rel(*aranges)
+    return mask
+
+
 # --- attention -------------------------------------------------------------------------------------------------
 
 def dropout(r, x: _T, label: str) -> _T:  # noqa: ANN001
@@ -273,7 +300,7 @@ def lora_linear(r, x: _T, prefix: str, path: str, fan_out: int, bias: bool, targ
     w = r.p(base_name + ".weight")
     b = r.p(base_name + ".bias") if bias else None
     result = r.linear(x, w, b, fan_out, prefix + path)
-    if not lora:
+    if not lora or getattr(r, "adapters_disabled", False):   # peft's disable_adapter(): the base layer alone
         return result
     return peft_lora_add(r, x, result, prefix, path, fan_out)
 

@@ -12,7 +12,7 @@ from ..config import ModelConfig
 from ..registry import register
 from .base import FieldRules
 from .decoder import TransformersDecoder
-from .hf_modules import causal_mask
+from .hf_modules import causal_mask, generation_mask
 
 _SHAPE = {"num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
           "intermediate_size", "head_dim", "hidden_act", "max_position_embeddings", "tie_word_embeddings",
@@ -77,6 +77,40 @@ class Llama(TransformersDecoder):
         if model.layer_types is not None:
             masks["sliding_attention"] = causal_mask(r, model.sliding_window, cached)
         return masks
+
+    generates = True
+
+    def generating_masks(self, r: Any, q_len: int) -> dict[str, Any]:
+        """Inside ``generate`` (no padding, sdpa): full layers run ``is_causal`` (no mask); a sliding layer's mask
+        is built once the keys reach the window (``_ignore_causal_mask_sdpa``'s local size)."""
+        model, cache = r.model, r.generating
+        if cache.kind == "static":                        # made by prepare_inputs_for_generation: 4-D, passed in
+            return {kind: (r.view(mask) if mask is not None else None) for kind, mask in cache.premade.items()}
+        if model.sliding_window is None:
+            return {}
+        return {"sliding_attention": self._generation_mask(r, "sliding_attention", q_len, skip=True)}
+
+    def prepared_masks(self, r: Any, q_len: int) -> dict[str, Any]:
+        """``create_masks_for_generate`` in ``prepare_inputs_for_generation`` with a static cache (a compileable
+        cache: no skipping the mask for one query token), each made ``.contiguous()`` (a copy over the rows)."""
+        kind = r.model.layer_type(0)                      # one kind of layer (check_generation refuses two)
+        mask = self._generation_mask(r, kind, q_len, skip=q_len > 1)
+        if mask is None or r.rows == 1:                   # one row: the expanded mask is contiguous already
+            return {kind: mask}
+        whole = r.new(r.rows * mask.numel, 1, "activations", "mask.contiguous()")
+        r.rel(mask)
+        return {kind: whole}
+
+    def _generation_mask(self, r: Any, kind: str, q_len: int, skip: bool) -> Any:
+        """``sdpa_mask`` of the first layer of ``kind``, or None where ``_ignore_causal_mask_sdpa`` skips it."""
+        model, cache = r.model, r.generating
+        layer = next(i for i in range(model.num_layers) if model.layer_type(i) == kind)
+        kv_len, _ = cache.mask_sizes(layer, q_len)
+        window = model.sliding_window if kind == "sliding_attention" else None
+        local = window is not None and kv_len >= window
+        if skip and not local and (q_len == 1 or kv_len == q_len or cache.past(layer) == 0):
+            return None
+        return generation_mask(r, window, r.rows, q_len, kv_len)
 
     def transformers_config(self, model: ModelConfig) -> Any:
         """The transformers config of a ``ModelConfig`` of this family (for measuring it)."""
