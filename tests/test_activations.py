@@ -37,6 +37,17 @@ def test_chunked_loss_equals_the_plain_loss_and_gradients(chunk_size):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_every_target_ignored_gives_a_zero_loss_and_zero_gradients_not_nan():
+    """F.cross_entropy's mean over no tokens is 0/0 = NaN; the helper documents 0 with zero gradients instead."""
+    hidden, weight, bias, targets = _head()
+    targets[:] = -100
+    assert F.cross_entropy(F.linear(hidden, weight, bias), targets).isnan()        # what the helper avoids
+    loss = utils.chunked_cross_entropy(hidden, weight, targets, bias=bias, chunk_size=5)
+    loss.backward()
+    assert loss.item() == 0
+    assert all(torch.equal(t.grad, torch.zeros_like(t)) for t in (hidden, weight, bias))
+
+
 def test_chunked_loss_keeps_batch_shape_and_bf16():
     hidden, weight, _, targets = _head(tokens=24, dtype=torch.bfloat16, bias=False)
     batched_hidden = hidden.detach().view(4, 6, -1).requires_grad_()

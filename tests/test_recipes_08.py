@@ -2,8 +2,10 @@
 
 Recipes: ``train_with_budget`` (compile's memory budget), ``bf16_hooks`` (saved activations stored in bf16) and
 ``ChunkedCrossEntropy`` (the head and the loss, chunk by chunk). Models: an ``nn.Sequential``, a model with a fused
-qkv weight that forward ``.split``s, and a transformers Llama built from a config; cases: padded targets (-100),
-bf16 autocast over fp32 weights, a bf16 model, a chunk size that does not divide the number of tokens.
+qkv weight that forward ``.split``s, the transformers families of ``recipe_models`` (Llama, Qwen2 with a tied head,
+GPT-2 with Conv1D and dropout, a bf16 Mistral), an ``nn.TransformerEncoder`` classifier with a padding mask and a
+BatchNorm conv net; cases: padded targets (-100), every target padding, bf16 autocast over fp32 weights, a bf16 model,
+chunk sizes that do and do not divide the number of tokens, and inputs of the wrong shape (refused with a message).
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 import utils
-from tests.recipe_models import FusedQKVModel, padded_tokens, run_recipe, sequential_mlp, tiny_llama
+from tests.recipe_models import (CAUSAL_LM_FAMILIES, EncoderClassifier, FusedQKVModel, batchnorm_convnet,
+                                 padded_dict_batches, padded_tokens, run_recipe, sequential_mlp)
 
 
 @pytest.fixture(scope="module")
@@ -80,27 +83,53 @@ def test_bf16_hooks_leave_the_slices_of_a_fused_qkv_weight_alone(recipe, dtype_c
         assert _relative(got.grad, want.grad) < 2 ** -6, name          # bf16's rounding of the activations only
 
 
-def test_bf16_hooks_on_a_llama_pack_no_weight(recipe):
-    pytest.importorskip("transformers")
-    model = tiny_llama()
-    input_ids, attention_mask, labels = padded_tokens(2, 10, 128)
+def _family_forward(name: str):
+    """(model, a function that runs one forward and returns a scalar loss) for a reader's model family."""
+    if name in CAUSAL_LM_FAMILIES:
+        pytest.importorskip("transformers")
+        model = CAUSAL_LM_FAMILIES[name]()
+        input_ids, attention_mask, labels = padded_tokens(2, 10, 128)
+        return model, lambda net: net(input_ids, attention_mask=attention_mask, labels=labels).loss
+    if name == "encoder classifier":
+        model = EncoderClassifier()
+        input_ids, attention_mask, _ = padded_tokens(3, 9, 64)
+        classes = torch.tensor([0, 2, 1])
+        return model, lambda net: F.cross_entropy(net(input_ids, attention_mask), classes)
+    model = batchnorm_convnet()
+    images, classes = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 3])
+    return model, lambda net: F.cross_entropy(net(images), classes)
+
+
+@pytest.mark.parametrize("name", [*CAUSAL_LM_FAMILIES, "encoder classifier", "batchnorm convnet"])
+def test_bf16_hooks_on_a_readers_model_pack_no_weight_and_round_like_bf16(recipe, name):
+    """The notebook's claims on each family: no weight (or view of one) is packed, float32 activations are stored in
+    bf16, and the gradients move by bf16's rounding only."""
+    model, loss_of = _family_forward(name)
     reference = copy.deepcopy(model)
-    output, seen = _hooked_forward(recipe, model, lambda: model(input_ids, attention_mask=attention_mask, labels=labels))
-    output.loss.backward()
-    reference(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
-    assert any(packed for _, packed in seen) and not any(w and p for w, p in seen)
-    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
-        assert _relative(got.grad, want.grad) < 2 ** -5, name
+    torch.manual_seed(1)                                               # the same dropout masks in both forwards
+    loss, seen = _hooked_forward(recipe, model, lambda: loss_of(model))
+    loss.backward()
+    torch.manual_seed(1)
+    loss_of(reference).backward()
+    assert not any(is_weight and packed for is_weight, packed in seen), "a weight or a view of one was packed"
+    assert any(packed for _, packed in seen)          # float32 activations (a bf16 Mistral's RMSNorm upcasts too)
+    for (param_name, got), want in zip(model.named_parameters(), reference.parameters()):
+        if want.grad is None:
+            assert got.grad is None, param_name
+            continue
+        assert _relative(got.grad.float(), want.grad.float()) < 2 ** -5, param_name
 
 
 def _head_case(model_name: str, dtype: torch.dtype):
-    """(hidden (N, d) requiring grad, head weight (V, d), targets (N,) with -100 padding) from a reader's model."""
-    if model_name == "llama":
+    """(hidden (N, d) requiring grad, head weight (V, d), targets (N,) with -100 padding) from a reader's model; for
+    the transformers families the hidden states of positions 0..T-2 and the labels shifted by one (their convention),
+    flattened as the recipe asks."""
+    if model_name in CAUSAL_LM_FAMILIES:
         pytest.importorskip("transformers")
-        model = tiny_llama(dtype)
-        input_ids, attention_mask, labels = padded_tokens(3, 11, 128)
-        hidden = model.model(input_ids, attention_mask=attention_mask).last_hidden_state
-        weight, targets = model.lm_head.weight, labels
+        model = CAUSAL_LM_FAMILIES[model_name](dtype=dtype)
+        batch = padded_dict_batches(batch_size=3, max_length=11, seed=1)[0]       # a DataLoader's padded dict batch
+        hidden = model.base_model(batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state[:, :-1]
+        weight, targets = model.get_output_embeddings().weight, batch["labels"][:, 1:]
     elif model_name == "fused qkv":
         model = FusedQKVModel().to(dtype)
         tokens, _, labels = padded_tokens(3, 11, 64)
@@ -117,8 +146,11 @@ def _head_case(model_name: str, dtype: torch.dtype):
     return hidden, weight.detach().requires_grad_(), targets.flatten()
 
 
-@pytest.mark.parametrize("model_name", ["sequential", "fused qkv", "llama"])
-@pytest.mark.parametrize("case", ["fp32", "bf16 autocast over fp32", "bf16 model"])
+HEAD_CASES = [(model_name, case) for model_name in ["sequential", "fused qkv", "llama", "qwen2", "gpt2"]
+              for case in ["fp32", "bf16 autocast over fp32", "bf16 model"]] + [("mistral-bf16-sliding", "bf16 model")]
+
+
+@pytest.mark.parametrize("model_name, case", HEAD_CASES)
 def test_chunked_cross_entropy_equals_f_cross_entropy(recipe, model_name, case):
     hidden, weight, targets = _head_case(model_name, torch.bfloat16 if case == "bf16 model" else torch.float32)
     assert (targets == -100).any() and len(targets) % 4 != 0
@@ -134,6 +166,46 @@ def test_chunked_cross_entropy_equals_f_cross_entropy(recipe, model_name, case):
         assert _relative(got_grad.float(), want_grad.float()) < tolerance
 
 
+@pytest.mark.parametrize("chunk_size", [1, 3, 7, 4, 20, 21, 22, 1000])   # N = 21: divisors, a partial last chunk, C > N
+def test_chunk_sizes_that_divide_or_not_and_a_last_chunk_of_real_tokens(recipe, chunk_size):
+    hidden, weight, targets = _head_case("llama", torch.float32)
+    assert len(targets) == 21
+    targets = targets.clone()
+    targets[-3:] = torch.tensor([5, 6, 7])                            # the last (partial) chunk holds real tokens
+    want = F.cross_entropy(F.linear(hidden, weight), targets)
+    got = recipe["ChunkedCrossEntropy"].apply(hidden, weight, targets, chunk_size)
+    for got_grad, want_grad in zip(torch.autograd.grad(got, (hidden, weight)), torch.autograd.grad(want, (hidden, weight))):
+        assert _relative(got_grad, want_grad) < 1e-5
+    assert abs(got.item() - want.item()) <= 1e-5 * want.item()
+
+
+@pytest.mark.parametrize("autocast_on", [False, True])
+def test_every_target_padding_gives_a_zero_loss_and_zero_gradients_not_nan(recipe, autocast_on):
+    """F.cross_entropy's mean over no real token is 0/0 = NaN, which one optimizer step spreads into every weight; the
+    recipe says it returns a loss of 0 with zero gradients instead (a micro-batch of padding only)."""
+    hidden, weight, targets = _head_case("qwen2", torch.float32)
+    targets = torch.full_like(targets, -100)
+    assert F.cross_entropy(F.linear(hidden, weight), targets).isnan()
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast_on):
+        loss = recipe["ChunkedCrossEntropy"].apply(hidden, weight, targets, 4)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    assert loss.item() == 0 and all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+def test_inputs_of_the_wrong_shape_are_refused_with_the_shapes_it_expects(recipe):
+    """(B, T, d) hidden states with (B, T) targets, and targets one shorter than the hidden states (labels shifted
+    but not the hidden states): zip() would pair the chunks wrongly without an error; the recipe names the shapes."""
+    hidden = torch.randn(3, 10, 8, requires_grad=True)
+    weight, targets = torch.randn(50, 8, requires_grad=True), torch.randint(0, 50, (3, 10))
+    with pytest.raises(ValueError, match=r"expected hidden \(N, d\) and targets \(N,\), got \[3, 10, 8\]"):
+        recipe["ChunkedCrossEntropy"].apply(hidden, weight, targets, 4)
+    with pytest.raises(ValueError, match=r"got \[30, 8\] and \[29\]"):
+        recipe["ChunkedCrossEntropy"].apply(hidden.flatten(0, 1), weight, targets.flatten()[1:], 4)
+    loss = recipe["ChunkedCrossEntropy"].apply(hidden.flatten(0, 1), weight, targets.flatten(), 4)    # flattened: fine
+    loss.backward()
+    assert hidden.grad.shape == hidden.shape
+
+
 def test_chunked_cross_entropy_keeps_nothing_of_size_v_after_forward(recipe):
     hidden = torch.randn(37, 8, requires_grad=True)
     weight = torch.randn(1000, 8, requires_grad=True)
@@ -145,18 +217,27 @@ def test_chunked_cross_entropy_keeps_nothing_of_size_v_after_forward(recipe):
     del loss
 
 
-@pytest.mark.parametrize("model_name", ["sequential"])   # "fused qkv" passes too; each compile costs seconds
+# "fused qkv" passes too; each compile costs seconds. The transformers families return a ModelOutput, not logits:
+# the recipe's header says it expects a model that returns logits (..., V)
+@pytest.mark.parametrize("model_name", ["sequential", "batchnorm convnet"])
 def test_train_with_budget_matches_an_eager_step(recipe, model_name):
     torch._dynamo.reset()
     if model_name == "sequential":
         model = sequential_mlp()
         inputs, targets = torch.randn(12, 16), torch.randint(0, 5, (12,))
         targets[::3] = -100
+    elif model_name == "batchnorm convnet":
+        model = batchnorm_convnet()
+        inputs, targets = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 3])
     else:
         model = FusedQKVModel()
         inputs, _, targets = padded_tokens(2, 9, 64)
     eager = copy.deepcopy(model)
     compiled = recipe["train_with_budget"](model, [(inputs, targets)], 0.0, backend="aot_eager_decomp_partition")
+    eager_stats = copy.deepcopy(eager)
+    eager_stats(inputs)                                                # one training-mode forward: BatchNorm's update
+    for (name, got), want in zip(model.named_buffers(), eager_stats.buffers()):
+        torch.testing.assert_close(got, want, msg=f"{name}: budget 0 updated the running statistics differently")
     model.load_state_dict(eager.state_dict())                          # the same weights: compare one step's gradients
     for net in (compiled, eager):                                      # the compiled step, budget 0, and plain eager
         F.cross_entropy(net(inputs).flatten(0, -2), targets.flatten()).backward()
@@ -178,3 +259,30 @@ def test_the_utils_helper_is_the_recipe_with_a_bias(recipe, autocast_on):
     assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item())
     for got_grad, want_grad in zip(got_grads, want_grads):
         assert _relative(got_grad, want_grad) < 1e-4
+
+
+@pytest.mark.parametrize("slowdown, sized_down", [("bfloat16=40,float16=40", True), ("bfloat16=0.5,float16=0.5", False)])
+def test_section_4_is_sized_from_the_head_format_probe(monkeypatch, tmp_path, slowdown, sized_down):
+    """Issue 45: full mode's parameters and set-up cells, with the format probe faked slow (an emulated bf16, e.g. an
+    AVX2-only CPU) or fast, size section 4 from it and print what they found and changed."""
+    import contextlib
+    import io
+    import json
+
+    from tests.recipe_models import notebook_path
+    monkeypatch.setenv("PYTORCH_INTRO_CHECK_MODE", "0")
+    monkeypatch.setenv("PYTORCH_INTRO_FORMAT_SLOWDOWN", slowdown)
+    monkeypatch.setenv("PYTORCH_INTRO_BUILD_DIR", str(tmp_path))
+    cells = [c for c in json.loads(notebook_path("08").read_text())["cells"] if c["cell_type"] == "code"]
+    first = next(i for i, c in enumerate(cells) if "parameters" in c["metadata"].get("tags", []))
+    namespace, printed = {}, io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        for cell in cells[first:first + 2]:                       # parameters, then the set-up cell
+            exec("".join(cell["source"]), namespace)
+    sizes = (namespace["LOSS_TOKENS"], namespace["LOSS_D_MODEL"], namespace["CHUNK_SIZES"],
+             namespace["LOSS_TIMING_REPEATS"])
+    if sized_down:
+        assert sizes == (64, 32, (8, 16, 32), 5) and "section 4 scaled down" in printed.getvalue()
+    else:
+        assert sizes == (256, 128, (32, 64, 128), 9) and "section 4 keeps its size" in printed.getvalue()
+    assert "faked by PYTORCH_INTRO_FORMAT_SLOWDOWN" in printed.getvalue()

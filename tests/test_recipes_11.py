@@ -3,9 +3,12 @@ on models and data they were not written for.
 
 Taken from the notebook itself (``recipe_models.run_recipe``). Claims checked: ``sdpa_attention`` computes what
 ``naive_attention`` computes (outputs and gradients, fp32, bf16 inputs, bf16 autocast over fp32 inputs), and
-plugged into a transformers Llama (grouped-query attention: key/value heads repeated) it gives the model's own
-logits; documents from a reader's padded batch (``padded_tokens``), packed into one row with ``pack`` and
-attended with ``masked_attention``'s document mask inside that Llama, get the logits each gets alone.
+plugged into the transformers families of ``recipe_models`` (a Llama, a Qwen2, GPT-2, a bf16 Mistral with a sliding
+window of 8; grouped-query attention: key/value heads repeated) with the model's sliding window it gives the model's
+own logits; documents from a reader's DataLoader (``padded_dict_batches``) and one longer than the window, packed into
+one row with ``pack`` (given the window) and attended with ``masked_attention``'s document mask inside each model,
+get the logits each gets alone (within bf16's rounding on the Mistral, where forgetting the window moves them far
+more); the window itself against a loop over the queries; a window that is not a positive int is refused.
 Cases that do not apply: an ``nn.Sequential`` has no attention; a fused qkv weight is split before attention,
 so the functions see ordinary q, k, v (the course's own ``TransformerBlock`` is that case in the notebook).
 """
@@ -14,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recipe_models import padded_tokens, run_recipe, tiny_llama
+from recipe_models import CAUSAL_LM_FAMILIES, padded_dict_batches, run_recipe
 
 
 @pytest.fixture(scope="module")
@@ -39,36 +42,110 @@ def test_sdpa_attention_computes_the_naive_attention(recipe, dtype, autocast, to
 
 
 def _register(name: str, attend) -> None:
-    """Plug an attention function of the recipe into transformers (key/value heads repeated for grouped queries)."""
+    """Plug an attention function of the recipe into transformers (key/value heads repeated for grouped queries); the
+    model's sliding window, which transformers passes as ``sliding_window`` (Mistral's; None elsewhere), is handed to
+    ``attend(q, k, v, window)``, as a reader passes ``config.sliding_window``."""
     from transformers import AttentionInterface
 
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):  # noqa: ANN001
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                  **kwargs):  # noqa: ANN001
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        return attend(query, key, value).transpose(1, 2).contiguous(), None
+        return attend(query, key, value, sliding_window).transpose(1, 2).contiguous(), None
     AttentionInterface.register(name, attention)
 
 
-def test_sdpa_attention_inside_a_transformers_llama(recipe):
-    _register("course_sdpa", recipe["sdpa_attention"])
+@pytest.fixture(autouse=True)
+def _unregister_course_attention():
+    """Take the course's attention functions out of transformers' global registry after each test: the calculator's
+    field-walking test, run later in the same process, checks every registered name is decided."""
+    yield
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for name in [name for name in ALL_ATTENTION_FUNCTIONS._global_mapping if name.startswith("course_")]:
+        del ALL_ATTENTION_FUNCTIONS._global_mapping[name]
+
+
+FAMILIES = ["llama", "qwen2", "gpt2", "mistral-bf16-sliding"]
+
+
+def _family(name: str, attn_implementation: str):
+    pytest.importorskip("transformers")
+    model = CAUSAL_LM_FAMILIES[name](attn_implementation=attn_implementation).eval()   # eval: GPT-2's dropout off
+    return model, getattr(model.config, "sliding_window", None)
+
+
+def _tolerance(model, logits: torch.Tensor) -> float:
+    # fp32: rounding of sums in another order; bf16 (Mistral): a few of bf16's steps (2^-8) of the largest logit
+    return 1e-5 if next(model.parameters()).dtype == torch.float32 else 2 ** -6 * logits.abs().max().item()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_sdpa_attention_inside_a_readers_model(recipe, name):
+    """The recipe's attention, handed the model's sliding window, gives the model's own logits; on the bf16 Mistral
+    (window 8) a 20-token sequence without the window differs by far more than bf16's rounding."""
+    _register("course_sdpa", lambda q, k, v, window: recipe["sdpa_attention"](q, k, v, window=window))
+    _register("course_sdpa_no_window", lambda q, k, v, window: recipe["sdpa_attention"](q, k, v))
     ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(1))
-    ours, theirs = tiny_llama(attn_implementation="course_sdpa"), tiny_llama(attn_implementation="sdpa")
-    assert (ours(ids).logits - theirs(ids).logits).abs().max().item() < 1e-5
+    theirs = _family(name, "sdpa")[0](ids).logits.float()
+    ours, window = _family(name, "course_sdpa")
+    tolerance = _tolerance(ours, theirs)
+    assert (ours(ids).logits.float() - theirs).abs().max().item() <= tolerance
+    if window is not None:
+        assert window < ids.shape[1]
+        forgetful = _family(name, "course_sdpa_no_window")[0](ids).logits.float()
+        assert (forgetful - theirs).abs().max().item() > 4 * tolerance, "the window must change the result here"
 
 
-def test_packed_documents_get_the_logits_they_get_alone_in_a_llama(recipe):
-    """The reader's padded batch, packed: each document's logits in the packed row equal its logits alone."""
-    input_ids, attention_mask, _ = padded_tokens(4, 12, 128, seed=2)
-    documents = [row[:length] for row, length in zip(input_ids, attention_mask.sum(dim=1).tolist())]
-    tokens, positions, labels, mask = recipe["pack"](documents)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_packed_documents_get_the_logits_they_get_alone(recipe, name):
+    """The reader's documents, packed with the model's window: each document's logits in the packed row equal its
+    logits alone (20 tokens, longer than the Mistral's window of 8, included); on the Mistral the mask without the
+    window moves the long document's logits by far more than bf16's rounding."""
+    batch = padded_dict_batches(batch_size=4, max_length=12, seed=2)[0]            # a DataLoader's padded dict batch
+    documents = [row[:length] for row, length in zip(batch["input_ids"], batch["attention_mask"].sum(dim=1).tolist())]
+    documents.append(torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(3)))
+    current = {}
+    _register("course_packed", lambda q, k, v, window: recipe["masked_attention"](current["mask"])(q, k, v))
+    packed_model, window = _family(name, "course_packed")
+    plain_model = _family(name, "sdpa")[0]
+    tokens, positions, labels, current["mask"] = recipe["pack"](documents, window=window)
     assert positions.tolist() == [i for d in documents for i in range(len(d))]
     assert (labels[0] == -100).sum().item() == len(documents), "one target dropped per document: its last token"
-    current = {}
-    _register("course_packed", lambda q, k, v: recipe["masked_attention"](current["mask"])(q, k, v))
-    packed_model, plain_model = tiny_llama(attn_implementation="course_packed"), tiny_llama(attn_implementation="sdpa")
-    current["mask"] = mask
-    packed_logits = packed_model(tokens, position_ids=positions[None]).logits[0]
-    alone = torch.cat([plain_model(d[None]).logits[0] for d in documents])
-    assert (packed_logits - alone).abs().max().item() < 1e-5
+    packed_logits = packed_model(tokens, position_ids=positions[None]).logits[0].float()
+    alone = torch.cat([plain_model(d[None]).logits[0].float() for d in documents])
+    tolerance = _tolerance(plain_model, alone)
+    assert (packed_logits - alone).abs().max().item() <= tolerance
+    if window is not None:
+        current["mask"] = recipe["pack"](documents)[3]                              # the mask without the window
+        forgetful = packed_model(tokens, position_ids=positions[None]).logits[0].float()
+        assert (forgetful - alone).abs().max().item() > 4 * tolerance
     with pytest.raises(ValueError, match="expected the packed size"):
         recipe["document_mask"]([len(d) for d in documents], tokens.shape[1] + 1, tokens.device)
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 40])
+def test_a_sliding_window_in_the_written_out_and_the_sdpa_attention(recipe, window):
+    """naive_attention and sdpa_attention with a window compute the same thing, which is causal attention over the last
+    `window` keys (itself included): checked against a loop over the queries; a window of 40 > L is plain causal."""
+    generator = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 3, 17, 8, generator=generator) for _ in range(3))
+    naive = recipe["naive_attention"](q, k, v, window=window)
+    sdpa = recipe["sdpa_attention"](q, k, v, window=window)
+    by_hand = torch.cat([torch.softmax(q[..., i:i + 1, :] @ k[..., max(0, i - window + 1):i + 1, :].transpose(-2, -1)
+                                       / 8 ** 0.5, dim=-1) @ v[..., max(0, i - window + 1):i + 1, :]
+                         for i in range(17)], dim=-2)
+    for got in (naive, sdpa):
+        torch.testing.assert_close(got, by_hand, rtol=1e-5, atol=1e-5)
+    if window >= 17:
+        torch.testing.assert_close(sdpa, recipe["sdpa_attention"](q, k, v), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [0, -1, 2.0, True])
+def test_a_window_that_is_not_a_positive_int_is_refused(recipe, window):
+    q = torch.randn(1, 1, 4, 8)
+    for function in ("naive_attention", "sdpa_attention"):
+        with pytest.raises(ValueError, match="window must be a positive int"):
+            recipe[function](q, q, q, window=window)
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        recipe["document_mask"]([2, 2], 4, q.device, window)

@@ -47,7 +47,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             per_token = torch.logsumexp(logits, dim=-1) - logits.gather(1, safe_targets[start:end, None]).squeeze(1)
             del logits
             total += (per_token * valid[start:end]).sum()
-        count = valid.sum()
+        count = valid.sum().clamp_(min=1)         # no valid target: a loss of 0 and zero gradients, not 0/0 = NaN
         ctx.save_for_backward(hidden, weight, bias, safe_targets, valid, count)
         ctx.chunk_size = chunk_size
         device = hidden.device.type          # backward recomputes the logits under the autocast state forward ran in
@@ -110,7 +110,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
         ignore_index: target value whose tokens add nothing to the loss (as in ``F.cross_entropy``).
 
     Returns:
-        A float32 scalar, the mean loss over tokens whose target is not ``ignore_index``.
+        A float32 scalar, the mean loss over tokens whose target is not ``ignore_index``. When every target is
+        ``ignore_index`` (a micro-batch of padding only) it is 0 and every gradient is 0, where
+        ``F.cross_entropy``'s mean returns 0/0 = NaN (which one optimizer step would spread into every weight).
 
     Raises:
         TypeError: ``chunk_size`` is not an int, or ``targets`` is not an integer tensor.

@@ -4,119 +4,144 @@ Each wrong answer is the solution with one mistake, written out by replacing one
 that the mistake named in its key is the only thing wrong with it.
 """
 
-_FP8 = '''
-def fp8_hooks(model):
+_ONCE = '''
+def bf16_once_hooks(model):
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    copies = torch.utils.weak.WeakTensorKeyDictionary()
 
     def pack(tensor):
         if (tensor.dtype == torch.float32 and tensor.requires_grad
                 and tensor.untyped_storage().data_ptr() not in weights):
-            scale = tensor.abs().amax() / 448
-            return (tensor / scale).to(torch.float8_e4m3fn), scale
+            base = tensor if tensor._base is None else tensor._base
+            if base not in copies:
+                copies[base] = base.to(torch.bfloat16)
+            offset = tensor.storage_offset() - base.storage_offset()
+            return copies[base].as_strided(tensor.shape, tensor.stride(), offset), torch.float32
         return tensor, None
 
     def unpack(packed):
-        tensor, scale = packed
-        return tensor if scale is None else tensor.float() * scale
+        tensor, dtype = packed
+        return tensor if dtype is None else tensor.to(dtype)
     return pack, unpack
 '''
 
-
-def _fp8(old: str, new: str) -> str:
-    assert old in _FP8, old
-    return _FP8.replace(old, new)
-
-
-_SMOOTH = '''
-class ChunkedSmoothedCrossEntropy(torch.autograd.Function):
+_VOCAB = '''
+class VocabChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size, eps):
-        ctx.save_for_backward(hidden, weight, targets)
-        ctx.chunk_size, ctx.eps, ctx.count = chunk_size, eps, (targets != -100).sum()
-        return sum(F.cross_entropy(F.linear(h, weight).float(), t, reduction="sum", label_smoothing=eps)
-                   for h, t in zip(hidden.split(chunk_size), targets.split(chunk_size))) / ctx.count
+    def forward(ctx, hidden, weight, targets, chunk_size):
+        lse = torch.stack([F.linear(hidden, rows).float().logsumexp(dim=-1)
+                           for rows in weight.split(chunk_size)]).logsumexp(dim=0)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk_size, ctx.count = chunk_size, (targets != -100).sum()
+        picked = (hidden.float() * weight[targets.clamp(min=0)].float()).sum(dim=-1)
+        return ((lse - picked) * (targets != -100)).sum() / ctx.count
 
     @staticmethod
     def backward(ctx, grad_loss):
-        hidden, weight, targets = ctx.saved_tensors
-        grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros_like(weight, dtype=torch.float32)
-        for start in range(0, len(targets), ctx.chunk_size):
-            h, t = hidden[start:start + ctx.chunk_size], targets[start:start + ctx.chunk_size]
-            probs, real = F.linear(h, weight).float().softmax(dim=-1), t != -100
-            probs[real, t[real]] -= 1 - ctx.eps
-            probs.sub_(ctx.eps / weight.shape[0]).mul_(real[:, None] * (grad_loss / ctx.count))
-            grad_hidden[start:start + len(t)] = probs.to(weight.dtype) @ weight
-            grad_weight.addmm_(probs.T, h.float())
-            del probs, real
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+        (hidden, weight, targets, lse), size = ctx.saved_tensors, ctx.chunk_size
+        scale = ((targets != -100) * (grad_loss / ctx.count))[:, None]
+        grad_hidden, grad_weight = torch.zeros(hidden.shape, device=hidden.device), torch.empty_like(weight)
+        for start, rows, grad_rows in zip(range(0, len(weight), size), weight.split(size), grad_weight.split(size)):
+            probs = (F.linear(hidden, rows).float() - lse[:, None]).exp_().mul_(scale)
+            inside = (targets >= start) & (targets < start + len(rows))
+            probs[inside, targets[inside] - start] -= scale[inside, 0]
+            grad_hidden.addmm_(probs, rows.float())
+            grad_rows.copy_(probs.T @ hidden.float())
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None
 '''
 
 
-def _smooth(*pairs: str) -> str:
-    source = _SMOOTH
+def _edit(source: str, *pairs: str) -> str:
     for old, new in zip(pairs[::2], pairs[1::2]):
-        assert old in source, old
+        assert source.count(old) == 1, old
         source = source.replace(old, new)
     return source
 
 
+def _once(*pairs: str) -> str:
+    return _edit(_ONCE, *pairs)
+
+
+def _vocab(*pairs: str) -> str:
+    return _edit(_VOCAB, *pairs)
+
+
 WRONG = {
     "exercise_1": {
-        "copies section 1's bf16 hooks: half the bytes, not a quarter": _fp8(
-            "            scale = tensor.abs().amax() / 448\n            return (tensor / scale).to(torch.float8_e4m3fn), scale",
-            "            return tensor.to(torch.bfloat16), torch.float32").replace(
-            "return tensor if scale is None else tensor.float() * scale",
-            "return tensor if scale is None else tensor.to(scale)"),
-        "converts to float8 without a scale: small activations flush to zero": _fp8(
-            "            return (tensor / scale).to(torch.float8_e4m3fn), scale",
-            "            return tensor.to(torch.float8_e4m3fn), torch.ones((), dtype=torch.float32)"),
-        "scales in pack but forgets to multiply the scale back in unpack": _fp8(
-            "tensor.float() * scale", "tensor.float()"),
-        "converts the weights too: their float8 copies add bytes": _fp8(
-            "        if (tensor.dtype == torch.float32 and tensor.requires_grad\n"
+        "section 1's recipe unchanged: a tensor saved twice is copied twice": _once(
+            "            if base not in copies:\n                copies[base] = base.to(torch.bfloat16)\n", "",
+            "            return copies[base].as_strided(", "            return base.to(torch.bfloat16).as_strided("),
+        "a plain dict keyed by data_ptr(): every copy stays alive after backward (and a dead tensor's memory can be "
+        "handed a stale copy)": _once(
+            "    copies = torch.utils.weak.WeakTensorKeyDictionary()", "    copies = {}",
+            "            base = tensor if tensor._base is None else tensor._base\n",
+            "            base = tensor if tensor._base is None else tensor._base\n            key = base.data_ptr()\n",
+            "            if base not in copies:\n                copies[base] = base.to(torch.bfloat16)",
+            "            if key not in copies:\n                copies[key] = base.to(torch.bfloat16)",
+            "            return copies[base].as_strided(", "            return copies[key].as_strided("),
+        "a plain dict keyed by id(tensor): it never forgets, so the copies outlive backward": _once(
+            "    copies = torch.utils.weak.WeakTensorKeyDictionary()", "    copies = {}",
+            "            if base not in copies:\n                copies[base] = base.to(torch.bfloat16)",
+            "            if id(base) not in copies:\n                copies[id(base)] = base.to(torch.bfloat16)",
+            "            return copies[base].as_strided(", "            return copies[id(base)].as_strided("),
+        "keys the copies by the tensor, not its base: the (B·T, C) views a Linear saves are copied again": _once(
+            "            base = tensor if tensor._base is None else tensor._base",
+            "            base = tensor"),
+        "recognises weights by data_ptr(): a slice of a fused weight is copied": _once(
+            "    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}",
+            "    weights = {p.data_ptr() for p in model.parameters()}",
             "                and tensor.untyped_storage().data_ptr() not in weights):",
-            "        if tensor.dtype == torch.float32 and tensor.requires_grad:"),
-        "e5m2 instead of e4m3 (scaled to its own largest value, 57344): one mantissa bit fewer": _fp8(
-            "            scale = tensor.abs().amax() / 448\n            return (tensor / scale).to(torch.float8_e4m3fn), scale",
-            "            scale = tensor.abs().amax() / 57344\n            return (tensor / scale).to(torch.float8_e5m2), scale"),
-        "recognises weights by data_ptr(): a slice of a fused weight is packed": _fp8(
-            "weights = {p.untyped_storage().data_ptr() for p in model.parameters()}",
-            "weights = {p.data_ptr() for p in model.parameters()}").replace(
-            "and tensor.untyped_storage().data_ptr() not in weights", "and tensor.data_ptr() not in weights"),
-        "keeps the scale as a Python number (.item()): no 4-byte tensor, and a GPU waits at every save": _fp8(
-            "scale = tensor.abs().amax() / 448", "scale = tensor.abs().amax().item() / 448"),
-        "scales to 1, not to 448: the small elements fall below e4m3's normal range": _fp8(
-            "scale = tensor.abs().amax() / 448", "scale = tensor.abs().amax()"),
-        "packs the input batch too (no requires_grad test)": _fp8(
+            "                and tensor.data_ptr() not in weights):"),
+        "packs the input batch too (no requires_grad test)": _once(
             "        if (tensor.dtype == torch.float32 and tensor.requires_grad\n",
             "        if (tensor.dtype == torch.float32\n"),
+        "returns the float32 tensor itself for a later save instead of the shared copy": _once(
+            "            if base not in copies:\n                copies[base] = base.to(torch.bfloat16)\n",
+            "            if base in copies:\n                return tensor, None\n"
+            "            copies[base] = base.to(torch.bfloat16)\n"),
+        "unpack hands back the bf16 copy without converting it to float32": _once(
+            "        return tensor if dtype is None else tensor.to(dtype)", "        return tensor"),
+        "keys the copies by tensor.untyped_storage(), a new object at every call: nothing is shared": _once(
+            "    copies = torch.utils.weak.WeakTensorKeyDictionary()", "    copies = {}",
+            "            if base not in copies:\n                copies[base] = base.to(torch.bfloat16)",
+            "            storage = base.untyped_storage()\n            if storage not in copies:\n"
+            "                copies[storage] = base.to(torch.bfloat16)",
+            "            return copies[base].as_strided(", "            return copies[storage].as_strided("),
     },
     "exercise_2": {
-        "keeps the recipe's backward: the gradient of the unsmoothed loss": _smooth(
-            "probs[real, t[real]] -= 1 - ctx.eps", "probs[real, t[real]] -= 1",
-            "probs.sub_(ctx.eps / weight.shape[0]).mul_(", "probs.mul_("),
-        "spreads eps, not eps / V, over every token": _smooth(
-            "probs.sub_(ctx.eps / weight.shape[0])", "probs.sub_(ctx.eps)"),
-        "smooths the gradient but forgets label_smoothing in the forward's loss": _smooth(
-            ', reduction="sum", label_smoothing=eps)', ', reduction="sum")'),
-        "right values, but the forward computes all the logits at once": _smooth(
-            '''        return sum(F.cross_entropy(F.linear(h, weight).float(), t, reduction="sum", label_smoothing=eps)
-                   for h, t in zip(hidden.split(chunk_size), targets.split(chunk_size))) / ctx.count''',
-            '''        return F.cross_entropy(F.linear(hidden, weight).float(), targets, label_smoothing=eps)'''),
-        "keeps the previous chunk's probabilities alive while the next one is computed (no del)": _smooth(
-            "            del probs, real\n", ""),
-        "the mean over all N tokens: the padding is counted": _smooth(
-            "ctx.count = chunk_size, eps, (targets != -100).sum()", "ctx.count = chunk_size, eps, len(targets)"),
-        "indexes the target column with -100 itself: the padding's rows get a wrong gradient": _smooth(
-            "probs[real, t[real]] -= 1 - ctx.eps", "probs[torch.arange(len(t)), t.clamp(min=0)] -= 1 - ctx.eps",
-            "mul_(real[:, None] * (grad_loss / ctx.count))", "mul_(grad_loss / ctx.count)"),
-        "assumes the chunk size divides N: reshapes into whole chunks": _smooth(
-            "        for start in range(0, len(targets), ctx.chunk_size):\n"
-            "            h, t = hidden[start:start + ctx.chunk_size], targets[start:start + ctx.chunk_size]\n",
-            "        for index, (h, t) in enumerate(zip(hidden.view(-1, ctx.chunk_size, hidden.shape[1]),\n"
-            "                                           targets.view(-1, ctx.chunk_size))):\n"
-            "            start = index * ctx.chunk_size\n"),
-        "smooths towards eps / V but applies it to the padding's rows too (no mask on the gradient)": _smooth(
-            "mul_(real[:, None] * (grad_loss / ctx.count))", "mul_(grad_loss / ctx.count)"),
+        "the log-sum-exp of each chunk summed, not log-sum-exp'd: lse of the whole vocabulary is wrong": _vocab(
+            "for rows in weight.split(chunk_size)]).logsumexp(dim=0)", "for rows in weight.split(chunk_size)]).sum(dim=0)"),
+        "the mean over every token, padding included": _vocab(
+            "ctx.chunk_size, ctx.count = chunk_size, (targets != -100).sum()",
+            "ctx.chunk_size, ctx.count = chunk_size, len(targets)"),
+        "skips the last, partial chunk of the vocabulary in backward": _vocab(
+            "zip(range(0, len(weight), size), weight.split(size), grad_weight.split(size))",
+            "zip(range(0, len(weight) - size + 1, size), weight.split(size), grad_weight.split(size))",
+            "torch.empty_like(weight)", "torch.zeros_like(weight)"),
+        "softmax without the one-hot: the target's -1 is missing from the gradient": _vocab(
+            "            probs[inside, targets[inside] - start] -= scale[inside, 0]\n", ""),
+        "normalises each chunk on its own (its own softmax) instead of by the whole vocabulary's log-sum-exp": _vocab(
+            "probs = (F.linear(hidden, rows).float() - lse[:, None]).exp_().mul_(scale)",
+            "probs = F.linear(hidden, rows).float().softmax(dim=-1).mul_(scale)"),
+        "the padding's rows get a gradient (no mask in the scale)": _vocab(
+            "scale = ((targets != -100) * (grad_loss / ctx.count))[:, None]",
+            "scale = (torch.ones_like(lse) * (grad_loss / ctx.count))[:, None]",
+            "inside = (targets >= start) & (targets < start + len(rows))",
+            "inside = (targets >= start) & (targets < start + len(rows)) & (targets != -100)"),
+        "right values, but the weight's gradient accumulates in float32 and is cast at the end: the recipe's floor":
+            _vocab("grad_hidden, grad_weight = torch.zeros(hidden.shape, device=hidden.device), torch.empty_like(weight)",
+                   "grad_hidden = torch.zeros(hidden.shape, device=hidden.device)\n"
+                   "        grad_weight = torch.empty_like(weight, dtype=torch.float32)",
+                   "        return grad_hidden.to(hidden.dtype), grad_weight, None, None",
+                   "        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None"),
+        "right values, but backward computes every token's logits over the whole vocabulary at once": _vocab(
+            "        for start, rows, grad_rows in zip(range(0, len(weight), size), weight.split(size), grad_weight.split(size)):",
+            "        size = len(weight)\n"
+            "        for start, rows, grad_rows in zip(range(0, len(weight), size), weight.split(size), grad_weight.split(size)):"),
+        "forward keeps every chunk's logits for backward": _vocab(
+            "        ctx.save_for_backward(hidden, weight, targets, lse)",
+            "        ctx.save_for_backward(hidden, weight, targets, lse, F.linear(hidden, weight).float())",
+            "        (hidden, weight, targets, lse), size = ctx.saved_tensors, ctx.chunk_size",
+            "        (hidden, weight, targets, lse, _), size = ctx.saved_tensors, ctx.chunk_size"),
     },
 }

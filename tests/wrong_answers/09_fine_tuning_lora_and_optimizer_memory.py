@@ -113,6 +113,35 @@ class LoRAEmbedding(nn.Module):
     def forward(self, ids):
         return F.embedding(ids, self.base.weight + self.scale * (self.B @ self.A).T)
 ''',
+        "keeps a copy of the pretrained table, not the table it was given": '''
+class LoRAEmbedding(nn.Module):
+    def __init__(self, base, rank, alpha=16.0):
+        super().__init__()''' + _EMBEDDING_CHECK + '''
+        self.base = nn.Embedding.from_pretrained(base.weight.detach().clone(), freeze=True)
+        self.A = nn.Parameter(torch.zeros(rank, base.num_embeddings, device=base.weight.device))
+        self.B = nn.Parameter(torch.randn(base.embedding_dim, rank, device=base.weight.device))
+        self.scale = alpha / rank
+''' + _EMBEDDING_FORWARD,
+        "freezes the whole adapter, A and B included: nothing trains": '''
+class LoRAEmbedding(nn.Module):
+    def __init__(self, base, rank, alpha=16.0):
+        super().__init__()''' + _EMBEDDING_CHECK + '''
+        self.base = base
+        self.A = nn.Parameter(torch.zeros(rank, base.num_embeddings, device=base.weight.device))
+        self.B = nn.Parameter(torch.randn(base.embedding_dim, rank, device=base.weight.device))
+        self.scale = alpha / rank
+        self.requires_grad_(False)
+''' + _EMBEDDING_FORWARD,
+        "freezes the table by giving it a new, frozen weight parameter (another storage)": '''
+class LoRAEmbedding(nn.Module):
+    def __init__(self, base, rank, alpha=16.0):
+        super().__init__()''' + _EMBEDDING_CHECK + '''
+        base.weight = nn.Parameter(base.weight.detach().clone(), requires_grad=False)
+        self.base = base
+        self.A = nn.Parameter(torch.zeros(rank, base.num_embeddings, device=base.weight.device))
+        self.B = nn.Parameter(torch.randn(base.embedding_dim, rank, device=base.weight.device))
+        self.scale = alpha / rank
+''' + _EMBEDDING_FORWARD,
     },
     "exercise_2": {
         "fp32 AdamW's 8 bytes per element instead of the 8-bit codes and scales": _lora8(
@@ -135,6 +164,10 @@ class LoRAEmbedding(nn.Module):
             ' and name.rsplit(".", 1)[-1] not in ("head", "lm_head")', ""),
         "counts AdamW's 4-byte step tensor per parameter (AdamW8bit keeps a Python int)": _lora8(
             "total += 2 * size * numel", "total += 2 * size * numel + 4"),
+        "one dtype for every layer, the model's first parameter's": _lora8(
+            "size = linear.weight.element_size()", "size = next(model.parameters()).element_size()"),
+        "freezes the model while it counts: the reader's model no longer trains": _lora8(
+            "    total = 0\n", "    total = 0\n    model.requires_grad_(False)\n"),
         "asks utils.predict_optimizer_state_bytes for the state (the exercise forbids it)": _lora8(
             "total += 2 * numel + 2 * 4 * math.ceil(numel / block_size)",
             "total += utils.predict_optimizer_state_bytes([(numel,)], 'adamw8bit', block_size=block_size)"),

@@ -1,5 +1,20 @@
 """Wrong answers to notebook 11's exercises: each must make its graded cell fail (see README.md here)."""
 
+_MASK = '''
+def mask_from_positions(position_ids, window=None):
+    positions = position_ids.reshape(-1)
+    document = (positions == 0).cumsum(dim=0)
+    allowed = (document[:, None] == document[None, :]) & causal_mask(len(positions), positions.device, window)
+    return torch.zeros(allowed.shape, device=positions.device).masked_fill(~allowed, float("-inf"))
+'''
+
+
+def _mask(old: str, new: str) -> str:
+    """The solution with one piece replaced: one mistake."""
+    assert _MASK.count(old) == 1, old
+    return _MASK.replace(old, new)
+
+
 WRONG = {
     "exercise_1": {
         "the math backend kept in bf16 (it computes 16-bit inputs in fp32)": '''
@@ -100,70 +115,29 @@ def predict_bf16_saved_bytes(batch, heads, seq_len, head_dim, kernel):
 ''',
     },
     "exercise_2": {
-        "plain causal: no document boundaries (the pitfall)": '''
-def mask_from_positions(position_ids):
-    size = len(position_ids)
-    causal = torch.ones(size, size, dtype=torch.bool).tril()
-    return torch.zeros(size, size).masked_fill(~causal, float("-inf"))
-''',
-        "block-diagonal but not causal: a token sees its document's later tokens": '''
-def mask_from_positions(position_ids):
-    document = (position_ids == 0).cumsum(dim=0)
-    allowed = document[:, None] == document[None, :]
-    size = len(position_ids)
-    return torch.zeros(size, size).masked_fill(~allowed, float("-inf"))
-''',
-        "a boundary where the position goes down misses a one-token document": '''
-def mask_from_positions(position_ids):
-    drops = (position_ids[1:] < position_ids[:-1]).long()
-    document = torch.cat([torch.zeros(1, dtype=torch.long), drops.cumsum(dim=0)])
-    size = len(position_ids)
-    causal = torch.ones(size, size, dtype=torch.bool).tril()
-    allowed = (document[:, None] == document[None, :]) & causal
-    return torch.zeros(size, size).masked_fill(~allowed, float("-inf"))
-''',
-        "a boolean mask with True where attention is forbidden (SDPA reads True as allowed)": '''
-def mask_from_positions(position_ids):
-    document = (position_ids == 0).cumsum(dim=0)
-    size = len(position_ids)
-    causal = torch.ones(size, size, dtype=torch.bool).tril()
-    return ~((document[:, None] == document[None, :]) & causal)
-''',
-        "causal by position inside the document, compared across documents": '''
-def mask_from_positions(position_ids):
-    allowed = position_ids[None, :] <= position_ids[:, None]
-    size = len(position_ids)
-    return torch.zeros(size, size).masked_fill(~allowed, float("-inf"))
-''',
-        "a boolean mask, True where attention is allowed (the graded cell asks for SDPA's float mask)": '''
-def mask_from_positions(position_ids):
-    document = (position_ids == 0).cumsum(dim=0)
-    size = len(position_ids)
-    causal = torch.ones(size, size, dtype=torch.bool).tril()
-    return (document[:, None] == document[None, :]) & causal
-''',
-        "1 where allowed and 0 elsewhere (an additive mask needs 0 and -inf)": '''
-def mask_from_positions(position_ids):
-    document = (position_ids == 0).cumsum(dim=0)
-    size = len(position_ids)
-    causal = torch.ones(size, size, dtype=torch.bool).tril()
-    return ((document[:, None] == document[None, :]) & causal).float()
-''',
-        "triu instead of tril: a token sees the later tokens of its document, not the earlier": '''
-def mask_from_positions(position_ids):
-    document = (position_ids == 0).cumsum(dim=0)
-    size = len(position_ids)
-    causal = torch.ones(size, size, dtype=torch.bool).triu()
-    allowed = (document[:, None] == document[None, :]) & causal
-    return torch.zeros(size, size).masked_fill(~allowed, float("-inf"))
-''',
-        "documents compared with >=: a token also sees every earlier document": '''
-def mask_from_positions(position_ids):
-    document = (position_ids == 0).cumsum(dim=0)
-    size = len(position_ids)
-    causal = torch.ones(size, size, dtype=torch.bool).tril()
-    allowed = (document[:, None] >= document[None, :]) & causal
-    return torch.zeros(size, size).masked_fill(~allowed, float("-inf"))
-''',
+        "plain causal: no document boundaries (the pitfall)": _mask(
+            "allowed = (document[:, None] == document[None, :]) & causal_mask(",
+            "allowed = causal_mask("),
+        "block-diagonal but not causal: a token sees its document's later tokens": _mask(
+            "allowed = (document[:, None] == document[None, :]) & causal_mask(len(positions), positions.device, window)",
+            "allowed = (document[:, None] == document[None, :])"),
+        "a boundary where the position goes down misses a one-token document after another": _mask(
+            "document = (positions == 0).cumsum(dim=0)",
+            "document = torch.cat([positions.new_zeros(1), (positions[1:] < positions[:-1]).cumsum(dim=0)])"),
+        "the sliding window left out: every earlier token of the document is seen": _mask(
+            "causal_mask(len(positions), positions.device, window)", "causal_mask(len(positions), positions.device)"),
+        "the window one token too wide (window + 1 keys)": _mask(
+            "causal_mask(len(positions), positions.device, window)",
+            "causal_mask(len(positions), positions.device, None if window is None else window + 1)"),
+        "a boolean mask with True where attention is forbidden (SDPA reads True as allowed)": _mask(
+            'return torch.zeros(allowed.shape, device=positions.device).masked_fill(~allowed, float("-inf"))',
+            "return ~allowed"),
+        "1 where allowed and 0 elsewhere (an additive mask needs 0 and -inf)": _mask(
+            'return torch.zeros(allowed.shape, device=positions.device).masked_fill(~allowed, float("-inf"))',
+            "return allowed.float()"),
+        "documents compared with >=: a token also sees every earlier document": _mask(
+            "(document[:, None] == document[None, :])", "(document[:, None] >= document[None, :])"),
+        "reads 1-D position ids only: the collator's (1, S) row is not flattened": _mask(
+            "positions = position_ids.reshape(-1)", "positions = position_ids"),
     },
 }
