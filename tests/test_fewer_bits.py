@@ -1,13 +1,19 @@
-"""utils.lowbit's formulas for notebook 10 (fewer bits): formats from their bits, NF4 bytes, bytes per method."""
+"""utils.lowbit's formulas for notebook 10 (fewer bits): formats from their bits, NF4 bytes, bytes per method; and the
+notebook's sizing of its bf16 sections from a probe of the machine's bf16 (faked here: a CPU without native bf16)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from utils import lowbit
+from utils.formats import FAKE_SLOWDOWN_VARIABLE, FormatSpeed
 
 
 @pytest.mark.parametrize("name", sorted(lowbit.FORMATS))
@@ -86,8 +92,11 @@ def test_scaled_mm_takes_dequantising_scales_and_a_column_major_second_operand()
     x, w = torch.randn(32, 64, dtype=torch.bfloat16), torch.randn(48, 64, dtype=torch.bfloat16)
     (x8, x_scale), (w8, w_scale) = _to_fp8(x), _to_fp8(w)
     assert w8.T.stride() == (1, 64)                                   # column-major (K, N)
-    native = torch._scaled_mm(x8, w8.T, scale_a=x_scale.reciprocal(), scale_b=w_scale.reciprocal(),
-                              out_dtype=torch.bfloat16)
+    try:
+        native = torch._scaled_mm(x8, w8.T, scale_a=x_scale.reciprocal(), scale_b=w_scale.reciprocal(),
+                                  out_dtype=torch.bfloat16)
+    except RuntimeError as error:       # oneDNN has no FP8 matmul for every CPU (none on AVX2 only)
+        pytest.skip(f"torch._scaled_mm does not run on this {torch.backends.cpu.get_cpu_capability()} CPU: {error}")
     emulated = (x8.float() / x_scale) @ (w8.float() / w_scale).T
     assert native.shape == (32, 48) and native.dtype == torch.bfloat16
     assert ((native.float() - emulated).norm() / emulated.norm()).item() < 2 ** -8   # bf16 output rounding
@@ -105,3 +114,61 @@ def test_round_to_nearest_keeps_exactly_the_weights_whose_first_update_was_lost(
         current = (current.float() + step * signs).to(torch.bfloat16)
     assert 0 < lost.float().mean() < 1
     assert torch.equal(current == weights, lost)
+
+
+def test_adamw_bf16_refuses_fp32_parameters_before_updating_any():
+    bf16, fp32 = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16)), torch.nn.Parameter(torch.ones(3))
+    bf16.grad, fp32.grad = torch.ones_like(bf16), torch.ones_like(fp32)
+    optimizer = lowbit.AdamWBF16([bf16, fp32], lr=0.1)
+    with pytest.raises(TypeError, match=r"expects torch.bfloat16 parameters .*torch.float32.*torch.optim.AdamW"):
+        optimizer.step()
+    assert torch.equal(bf16.detach(), torch.ones(3, dtype=torch.bfloat16)) and not optimizer.state
+
+
+# --- issue 45: the notebook sizes its bf16 sections from a probe of this machine's bf16 -----------------------------
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "10_fewer_bits_4bit_bf16_fp8.ipynb"
+
+
+def _cell_source(cell_id: str) -> str:
+    cell = next(c for c in json.loads(NOTEBOOK.read_text())["cells"] if c.get("id") == cell_id)
+    return "".join(cell["source"])
+
+
+def _sizes(monkeypatch, slowdown: str) -> tuple[dict, str]:
+    """The notebook's parameters and probe cells, run in full mode on a CPU with the probe faked to ``slowdown``."""
+    monkeypatch.setenv("PYTORCH_INTRO_CHECK_MODE", "0")
+    monkeypatch.setenv(FAKE_SLOWDOWN_VARIABLE, slowdown)
+    namespace: dict = {}
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        for cell_id in ("c01-parameters", "c02c-bf16-probe"):
+            exec(compile(_cell_source(cell_id), f"notebook 10, {cell_id}", "exec"), namespace)
+    return namespace, output.getvalue()
+
+
+def test_a_slow_bf16_probe_scales_the_bf16_sections(monkeypatch):
+    p, printed = _sizes(monkeypatch, "bfloat16=40")
+    speed = FormatSpeed(torch.bfloat16, "cpu", 40.0, faked=True)
+    assert p["DEVICE"].type == "cpu" and speed.slow
+    # 60 steps -> 12, 8 sequences -> 2, 64 tokens -> 16, 512 timed tokens -> 64: the bf16 work cut about 80 times
+    assert (p["BF16_TRAIN_STEPS"], p["BF16_TRAIN_BATCH"], p["BF16_TRAIN_SEQ_LEN"], p["DEQUANT_TIMING_TOKENS"]) == \
+        (speed.scale(p["TRAIN_STEPS"], minimum=p["MIN_TRAIN_STEPS"]), speed.scale(p["BATCH_SIZE"], minimum=2),
+         speed.scale(p["SEQ_LEN"], minimum=16), speed.scale(p["BATCH_SIZE"] * p["SEQ_LEN"], minimum=64)) == \
+        (12, 2, 16, 64)
+    assert "40.0x fp32's time" in printed and "faked" in printed
+    assert "section 4's training steps 60 -> 12" in printed and "section 2's timed tokens 512 -> 64" in printed
+
+
+def test_a_native_bf16_probe_keeps_every_size(monkeypatch):
+    p, printed = _sizes(monkeypatch, "bfloat16=0.5")
+    assert (p["BF16_TRAIN_STEPS"], p["BF16_TRAIN_BATCH"], p["BF16_TRAIN_SEQ_LEN"], p["DEQUANT_TIMING_TOKENS"]) == \
+        (p["TRAIN_STEPS"], p["BATCH_SIZE"], p["SEQ_LEN"], p["BATCH_SIZE"] * p["SEQ_LEN"])
+    assert "nothing, every section keeps its size" in printed
+
+
+def test_the_bf16_sections_use_the_sizes_the_probe_derives():
+    training = _cell_source("c44-curves")
+    assert "range(BF16_TRAIN_STEPS)" in training and "16 * BF16_TRAIN_BATCH, BF16_TRAIN_SEQ_LEN" in training
+    assert "range(TRAIN_STEPS)" not in training and "BATCH_SIZE" not in training.replace("BF16_TRAIN_BATCH", "")
+    assert "DEQUANT_TIMING_TOKENS" in _cell_source("c25e-dequant-time")

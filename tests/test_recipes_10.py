@@ -1,14 +1,27 @@
 """Notebook 10's recipe (NF4 quantise/dequantise with double-quantised scales, the 4-bit LoRA linear, stochastic
-rounding and Kahan summation, AdamW on bf16 states, the FP8 cast), taken from the notebook's cells tagged ``recipe``,
-run on models it was not written for: a bf16 ``nn.Linear`` base, a transformers Llama's linears with padded labels,
-an ``nn.Sequential`` and a fused-qkv model. Bad input is refused with a message that says what was expected."""
+rounding and Kahan summation, AdamW on bf16 states, the FP8 casts with tensorwise, rowwise and block scales), taken
+from the notebook's cells tagged ``recipe``, run on models it was not written for: a bf16 ``nn.Linear`` base, the
+reader's transformers families (Llama, Qwen2 with biases and a tied head, GPT-2 with its ``Conv1D`` layers, the bf16
+Mistral with a sliding window) on padded dict batches from a ``DataLoader``, an ``nn.Sequential`` and a fused-qkv
+model. Bad input is refused with a message that says what was expected, and each recipe cell names what it expects
+the reader's script to define."""
 from __future__ import annotations
+
+import ast
+import builtins
+import copy
+import re
 
 import pytest
 import torch
 from torch import nn
 
-from tests.recipe_models import FusedQKVModel, padded_tokens, run_recipe, sequential_mlp, tiny_llama
+from tests.recipe_models import (CAUSAL_LM_FAMILIES, FusedQKVModel, padded_dict_batches, padded_tokens, recipe_cells,
+                                 run_recipe, sequential_mlp, tiny_llama)
+
+# the Linear layers a 4-bit loader quantises in each family's blocks (GPT-2's are transformers' Conv1D)
+BLOCK_LINEARS = {"llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                 "gpt2": ("c_attn", "c_proj", "c_fc")}
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +135,158 @@ def test_fp8_cast_round_trip_tensorwise_and_rowwise(recipe):
         assert x8.dtype == torch.float8_e4m3fn and x8.float().abs().max() <= 448
         errors[rowwise] = ((recipe["from_fp8"](x8, scale, torch.float32) - x).norm(dim=1) / x.norm(dim=1)).max()
     assert errors[True] <= 2 ** -4 and errors[True] < errors[False]
+
+
+# --- issue 38: what each recipe cell expects; bad input refused; the reader's families -----------------------------
+
+def _free_names(source: str) -> set[str]:
+    """Names a cell reads but neither defines nor imports (nor are builtins): what a pasted cell needs defined."""
+    tree = ast.parse(source)
+    defined = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+            if isinstance(node, ast.FunctionDef):
+                defined |= {a.arg for a in node.args.args + node.args.kwonlyargs}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.comprehension):
+            defined |= {n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)}
+    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    return used - defined - set(dir(builtins))
+
+
+def test_every_recipe_cell_names_what_the_readers_script_must_define():
+    for source in recipe_cells("10"):
+        first = source.splitlines()[0]
+        assert first.startswith("# Expects:"), f"a recipe cell must start with '# Expects: ...', got {first!r}"
+        named = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", first))
+        missing = _free_names(source) - named
+        assert not missing, f"the cell starting {source.splitlines()[1]!r} also needs {sorted(missing)}: {first!r}"
+
+
+@pytest.mark.parametrize("rank", [0, -2, 2.0, True])
+def test_lora_4bit_refuses_a_rank_that_is_not_a_positive_int(recipe, rank):
+    with pytest.raises(ValueError, match="rank must be a positive int"):
+        recipe["LoRALinear4bit"](nn.Linear(64, 64).to(torch.bfloat16), rank)
+
+
+def test_lora_4bit_refuses_a_layer_it_cannot_quantise(recipe):
+    with pytest.raises(TypeError, match="nn.Linear or transformers' Conv1D, got Conv2d"):
+        recipe["LoRALinear4bit"](nn.Conv2d(8, 8, 3), 4)
+
+
+def test_adamw_bf16_step_refuses_fp32_weights_before_updating_anything(recipe):
+    bf16, fp32 = nn.Parameter(torch.ones(4, dtype=torch.bfloat16)), nn.Parameter(torch.ones(4))
+    bf16.grad, fp32.grad = torch.ones_like(bf16), torch.ones_like(fp32)
+    with pytest.raises(TypeError, match=r"expects torch.bfloat16 weights .*torch.float32.*torch.optim.AdamW"):
+        recipe["adamw_bf16_step"]([bf16, fp32], {}, 1e-2)
+    assert torch.equal(bf16.detach(), torch.ones(4, dtype=torch.bfloat16)) and torch.equal(fp32.detach(), torch.ones(4))
+
+
+def test_adamw_bf16_step_takes_a_parameter_generator(recipe):
+    model = sequential_mlp().to(torch.bfloat16)
+    x, target = torch.randn(16, 16, dtype=torch.bfloat16), torch.randint(0, 5, (16,))
+    nn.functional.cross_entropy(model(x).float(), target).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    state: dict = {}
+    recipe["adamw_bf16_step"](model.parameters(), state, 1e-2, rounding="nearest")
+    assert state["step"] == 1 and all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def _quantise_blocks(recipe, model: nn.Module, family: str, rank: int = 4) -> list[str]:
+    """Replace every block Linear (Conv1D for GPT-2) by the recipe's 4-bit LoRA layer; return their names."""
+    wanted = BLOCK_LINEARS["gpt2" if family == "gpt2" else "llama"]
+    replaced = []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if child_name in wanted and (isinstance(child, nn.Linear) or type(child).__name__ == "Conv1D"):
+                setattr(module, child_name, recipe["LoRALinear4bit"](child, rank))
+                replaced.append(f"{name}.{child_name}")
+    return replaced
+
+
+def _nf4_round_trip_(recipe, model: nn.Module, family: str) -> None:
+    """Set every block Linear's weight to its NF4 round trip, in place (GPT-2's Conv1D weight is stored transposed)."""
+    wanted = BLOCK_LINEARS["gpt2" if family == "gpt2" else "llama"]
+    for module in list(model.modules()):
+        for child_name, child in module.named_children():
+            if child_name in wanted:
+                conv1d = type(child).__name__ == "Conv1D"
+                weight = child.weight.T if conv1d else child.weight
+                packed, absmax = recipe["quantize_nf4"](weight, 64)
+                absmax = recipe["dequantize_scales"](*recipe["quantize_scales"](absmax))
+                restored = recipe["dequantize_nf4"](packed, absmax, tuple(weight.shape), child.weight.dtype)
+                with torch.no_grad():
+                    child.weight.copy_(restored.T if conv1d else restored)
+
+
+@pytest.mark.parametrize("family", sorted(CAUSAL_LM_FAMILIES))
+def test_lora_4bit_on_the_readers_families_computes_the_nf4_model_and_trains(recipe, family):
+    model = CAUSAL_LM_FAMILIES[family](dtype=torch.bfloat16).requires_grad_(False)
+    reference = copy.deepcopy(model)
+    _nf4_round_trip_(recipe, reference, family)
+    replaced = _quantise_blocks(recipe, model, family)
+    assert len(replaced) == (4 if family == "gpt2" else 7) * len(reference.base_model.h if family == "gpt2"
+                                                                   else reference.model.layers)
+    batches = padded_dict_batches(4, vocab=128)
+    model.eval(), reference.eval()                                     # no dropout: the same function, B = 0
+    torch.testing.assert_close(model(**batches[0]).logits.float(), reference(**batches[0]).logits.float(),
+                               rtol=3e-2, atol=3e-2)
+    model.train()
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(name.endswith((".A", ".B")) for name in trainable)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    first = model(**batches[0]).loss.item()
+    for _ in range(4):
+        for batch in batches:
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    assert model(**batches[0]).loss.item() < first
+
+
+@pytest.mark.parametrize("family", sorted(CAUSAL_LM_FAMILIES))
+def test_adamw_bf16_step_trains_the_readers_families_in_bf16(recipe, family):
+    model = CAUSAL_LM_FAMILIES[family](dtype=torch.bfloat16)
+    if family == "gpt2":
+        model.eval()                                                     # dropout off: the loss must fall
+    batches = padded_dict_batches(4, vocab=128)
+    state: dict = {}
+    losses = []
+    for _ in range(6):
+        loss = model(**batches[0]).loss
+        loss.backward()
+        recipe["adamw_bf16_step"](model.parameters(), state, 3e-3, rounding="stochastic")
+        model.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] and all(p.dtype == torch.bfloat16 for p in model.parameters())
+    tensors = [s for key, s in state.items() if key != "step"]
+    assert len(tensors) == len(list(model.parameters()))              # a tied head is one parameter, one state
+    if family in ("qwen2", "gpt2"):
+        assert model.lm_head.weight is model.get_input_embeddings().weight
+
+
+def test_block_scaled_fp8_mx_scales_are_powers_of_two_in_e8m0_and_confine_an_outlier(recipe):
+    torch.manual_seed(0)
+    x = torch.randn(16, 256)
+    x[:, 3] *= 1e5                                                     # an outlier channel: every row holds it
+    errors = {}
+    for label, (block, mx) in {"tensorwise": (256 * 16, False), "tiles": (128, False), "mx": (32, True)}.items():
+        if label == "tensorwise":
+            x8, scale = recipe["to_fp8"](x)
+            restored = recipe["from_fp8"](x8, scale, torch.float32)
+        else:
+            x8, scale = recipe["to_fp8_blocks"](x, torch.float8_e4m3fn, block, mx=mx)
+            restored = recipe["from_fp8_blocks"](x8, scale, torch.float32)
+            assert x8.shape == x.shape and scale.shape == (16, 256 // block)
+        ordinary = torch.ones_like(x, dtype=torch.bool)
+        ordinary[:, 3] = False
+        errors[label] = ((restored - x)[ordinary].norm() / x[ordinary].norm()).item()
+        if mx:
+            assert scale.dtype == torch.float8_e8m0fnu
+            assert torch.equal(scale.float(), torch.exp2(torch.log2(scale.float()).round()))
+    assert max(errors["mx"], errors["tiles"]) < 0.5 * errors["tensorwise"], errors
+    with pytest.raises(ValueError, match="multiple of block=128"):
+        recipe["to_fp8_blocks"](torch.randn(4, 96))

@@ -514,6 +514,8 @@ class AdamWBF16(torch.optim.Optimizer):
 
     Raises:
         ValueError: an unknown rounding (the message lists them), a learning rate out of range.
+        TypeError: in ``step()``, a parameter with a gradient that is not bf16 (its update would round it to bf16
+            silently); checked before any parameter is updated.
 
     Example:
         >>> optimizer = AdamWBF16(model.to(torch.bfloat16).parameters(), lr=3e-4, rounding="stochastic")
@@ -535,6 +537,11 @@ class AdamWBF16(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        wrong = sorted({str(p.dtype) for group in self.param_groups for p in group["params"]
+                        if p.grad is not None and p.dtype != torch.bfloat16})
+        if wrong:                                                   # refused before any parameter is updated
+            raise TypeError(f"AdamWBF16 expects torch.bfloat16 parameters and would round {wrong} ones to bf16: use "
+                            "torch.optim.AdamW for them, or model.to(torch.bfloat16)")
         for group in self.param_groups:
             lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:

@@ -1,79 +1,87 @@
-"""Wrong answers to notebook 10's exercises: each must make its graded cell fail (see README.md here)."""
+"""Wrong answers to notebook 10's exercises: each must make its graded cell fail (see README.md here).
+
+Each is the notebook's solution with one mistake a learner makes, written whole.
+"""
 
 
-def _e5m2(body: str) -> str:
-    return "\ndef round_stochastic_e5m2(x):\n" + body
-
-
-def _qlora(body: str) -> str:
-    return '''
-def qlora_step_bytes(model, rank, block_size=64, scale_block_size=256):
-    linears = [m for block in model.blocks for m in (block.qkv, block.proj, block.mlp[0], block.mlp[2])]
-''' + body + '''
-    return total
+def _census(overflow: str = "x.abs() > edge if max_is_even else x.abs() >= edge",
+            mantissa: str = "{torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[dtype]",
+            rounded: str = "x.clamp(-info.max, info.max).to(dtype).float()",
+            flushed: str = "(rounded == 0) & (x != 0)",
+            subnormal: str = "(rounded != 0) & (rounded.abs() < info.smallest_normal)") -> str:
+    return f'''
+def unscaled_fp8_census(x, dtype):
+    info = torch.finfo(dtype)
+    mantissa_bits = {mantissa}
+    top_gap = 2.0 ** (math.floor(math.log2(info.max)) - mantissa_bits)
+    edge = info.max + top_gap / 2
+    max_is_even = (info.max / top_gap) % 2 == 0
+    overflow = {overflow}
+    rounded = {rounded}
+    return {{"overflow": int(overflow.sum()), "flushed": int(({flushed}).sum()),
+            "subnormal": int(({subnormal}).sum())}}
 '''
 
 
-_REST_BF16 = "    total = 2 * (sum(p.numel() for p in model.parameters()) - sum(m.weight.numel() for m in linears))\n"
-
-
-def _per_linear(codes: str = "linear.weight.numel() // 2",
-                scales: str = "blocks + 4 * math.ceil(blocks / scale_block_size) + 4",
-                adapter: str = "4 * 4 * adapter + 2 * 4", rest: str = _REST_BF16) -> str:
-    return rest + f'''    for linear in linears:
-        blocks = linear.weight.numel() // block_size
+def _state(kv_width: str = 'width // config["num_attention_heads"] * config["num_key_value_heads"]',
+           codes: str = "out_features * in_features // 2",
+           scales: str = "blocks + 4 * math.ceil(blocks / 256) + 4",
+           adapters: str = "4 * 4 * rank * (in_features + out_features) + 2 * 4",
+           embeddings: str = 'config["vocab_size"] * width * (1 if config["tie_word_embeddings"] else 2)',
+           other: str = "embeddings + (2 * layers + 1) * width",
+           total: str = "layers * total + (4 if prepared else 2) * other") -> str:
+    return f'''
+def qlora_state_bytes(config, rank, block_size=64, prepared=False):
+    width, ffn, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    kv_width = {kv_width}
+    linears = [(width, width), (kv_width, width), (kv_width, width), (width, width), (ffn, width), (ffn, width),
+               (width, ffn)]
+    total = 0
+    for out_features, in_features in linears:
+        blocks = out_features * in_features // block_size
         total += {codes}
         total += {scales}
-        adapter = rank * (linear.in_features + linear.out_features)
-        total += {adapter}
+        total += {adapters}
+    embeddings = {embeddings}
+    other = {other}
+    return {total}
 '''
 
 
 WRONG = {
     "exercise_1": {
-        "rounds to the nearest value (no randomness)": _e5m2("    return x.half().to(torch.float8_e5m2)\n"),
-        "truncates: cuts the low byte without adding noise (always rounds toward zero)": _e5m2(
-            "    bits = x.half().contiguous().view(torch.int16)\n"
-            "    return (bits & -256).view(torch.float16).to(torch.float8_e5m2)\n"),
-        "noise over 9 bits instead of the 8 that e5m2 drops (rounds up too often)": _e5m2(
-            "    bits = x.half().contiguous().view(torch.int16)\n"
-            "    noise = torch.randint_like(bits, 0, 1 << 9)\n"
-            "    return ((bits + noise) & -256).view(torch.float16).to(torch.float8_e5m2)\n"),
-        "noise over 7 bits (rounds up too rarely)": _e5m2(
-            "    bits = x.half().contiguous().view(torch.int16)\n"
-            "    noise = torch.randint_like(bits, 0, 1 << 7)\n"
-            "    return ((bits + noise) & -256).view(torch.float16).to(torch.float8_e5m2)\n"),
-        "one random number shared by every element": _e5m2(
-            "    bits = x.half().contiguous().view(torch.int16)\n"
-            "    noise = torch.randint(0, 1 << 8, (1,), dtype=torch.int16, device=x.device)\n"
-            "    return ((bits + noise) & -256).view(torch.float16).to(torch.float8_e5m2)\n"),
-        "adds the noise but does not mask: the final cast rounds to nearest again": _e5m2(
-            "    bits = x.half().contiguous().view(torch.int16)\n"
-            "    noise = torch.randint_like(bits, 0, 1 << 8)\n"
-            "    return (bits + noise).view(torch.float16).to(torch.float8_e5m2)\n"),
-        "returns the rounded fp16 tensor, not an e5m2 one": _e5m2(
-            "    bits = x.half().contiguous().view(torch.int16)\n"
-            "    noise = torch.randint_like(bits, 0, 1 << 8)\n"
-            "    return ((bits + noise) & -256).view(torch.float16)\n"),
-        "stochastic rounding to bf16 (fp32's top 16 bits), then a nearest cast to e5m2": _e5m2(
-            "    bits = x.float().contiguous().view(torch.int32)\n"
-            "    noise = torch.randint_like(bits, 0, 1 << 16)\n"
-            "    return ((bits + noise) & -65536).view(torch.float32).to(torch.float8_e5m2)\n"),
+        "overflow counted above the largest finite value, not above the halfway point past it":
+            _census(overflow="x.abs() > info.max"),
+        "overflow read from the cast's output (inf or NaN), which saturates e4m3fn silently":
+            _census(overflow="~x.to(dtype).float().isfinite()"),
+        "the halfway tie above the largest value always rounds up (overflow), as in e5m2":
+            _census(overflow="x.abs() >= edge"),
+        "the halfway tie above the largest value always rounds down (no overflow), as in e4m3fn":
+            _census(overflow="x.abs() > edge"),
+        "e5m2 given e4m3's three mantissa bits (the gap at the top is wrong)":
+            _census(mantissa="3"),
+        "flushed counted below the smallest subnormal, ignoring values that round up to it":
+            _census(flushed="(x != 0) & (x.abs() < info.smallest_normal * 2.0 ** -mantissa_bits)"),
+        "flushed counts the zeros that were zero already":
+            _census(flushed="rounded == 0"),
+        "subnormal judged on the input, not on the rounded value":
+            _census(subnormal="(x != 0) & (x.abs() < info.smallest_normal)"),
+        "rounds through bf16 first (a double rounding that breaks ties)":
+            _census(rounded="x.to(torch.bfloat16).float().clamp(-info.max, info.max).to(dtype).float()"),
     },
     "exercise_2": {
-        "one byte per 4-bit code (no packing)": _qlora(_per_linear(codes="linear.weight.numel()")),
-        "fp32 absmaxes, as if double quantisation were off": _qlora(_per_linear(scales="4 * blocks")),
-        "forgets the fp32 offset (the absmaxes' mean) of each weight": _qlora(_per_linear(
-            scales="blocks + 4 * math.ceil(blocks / scale_block_size)")),
-        "rounds the number of second-level scales down": _qlora(_per_linear(
-            scales="blocks + 4 * (blocks // scale_block_size) + 4")),
-        "counts one AdamW moment, not two": _qlora(_per_linear(adapter="3 * 4 * adapter + 2 * 4")),
-        "forgets the adapters' gradients": _qlora(_per_linear(adapter="4 * adapter + 2 * 4 * adapter + 2 * 4")),
-        "forgets AdamW's step counters": _qlora(_per_linear(adapter="4 * 4 * adapter")),
-        "counts the frozen rest (embeddings, norms, head, biases) in fp32": _qlora(_per_linear(
-            rest="    total = 4 * (sum(p.numel() for p in model.parameters()) - sum(m.weight.numel() for m in linears))\n")),
-        "forgets the biases of the quantised layers": _qlora(_per_linear(
-            rest="    total = 2 * (sum(p.numel() for p in model.parameters()) - sum(m.weight.numel() for m in linears)"
-                 " - sum(m.bias.numel() for m in linears))\n")),
+        "key and value projections as wide as the queries (grouped-query attention ignored)":
+            _state(kv_width="width"),
+        "one byte per 4-bit code (no packing)": _state(codes="out_features * in_features"),
+        "the second-level scales rounded down": _state(scales="blocks + 4 * (blocks // 256) + 4"),
+        "forgets the fp32 offset (the absmaxes' mean) of each weight":
+            _state(scales="blocks + 4 * math.ceil(blocks / 256)"),
+        "fp32 absmaxes, as if double quantisation were off": _state(scales="4 * blocks"),
+        "counts the head even when it is tied to the embeddings": _state(embeddings='2 * config["vocab_size"] * width'),
+        "forgets the final RMSNorm": _state(other="embeddings + 2 * layers * width"),
+        "forgets AdamW's step counters": _state(adapters="4 * 4 * rank * (in_features + out_features)"),
+        "counts one AdamW moment, not two": _state(adapters="3 * 4 * rank * (in_features + out_features) + 2 * 4"),
+        "prepare upcasts only the embeddings and the head, not the norms": _state(
+            total="layers * total + (4 if prepared else 2) * embeddings + 2 * (other - embeddings)"),
     },
 }
