@@ -1,8 +1,9 @@
 """Notebook 13's recipes (the cells tagged ``recipe``) on models the notebook was not written for: a transformers
-Llama (grouped-query attention) split with the tensor-parallel plan renamed to its modules, a plain
-``nn.Sequential`` through a one-stage pipeline, ring attention on Llama-shaped heads. Everything runs in this
-process: a ``fake`` process group (collectives return at once, no data: shapes, placements and counts are real)
-for the layouts, a one-rank gloo group for the values."""
+Llama (grouped-query attention) split with the tensor-parallel plan renamed to its modules, its sequence-parallel
+norms' partial gradients reduced in one bucket, a plain ``nn.Sequential`` through one-stage and two-stage pipelines
+(every schedule torch ships), ring and all-gather attention on Llama-shaped heads. Everything runs in this process: a
+``fake`` process group (collectives return at once, no data: shapes, placements and counts are real) for the
+layouts, a one-rank gloo group for the values."""
 
 from __future__ import annotations
 
@@ -125,3 +126,56 @@ def test_sequence_chunks_cover_the_sequence_once(recipe):
         for balanced in (False, True):
             chunks = torch.cat([recipe["sequence_chunks"](32, cp, rank, balanced) for rank in range(cp)])
             assert sorted(chunks.tolist()) == list(range(32))
+
+
+def test_bucketed_reduce_of_a_llama_layers_partial_norm_gradients(recipe, fake_group):
+    """Sequence parallelism leaves a transformers Llama layer's two RMSNorm gradients partial; the recipe reduces them
+    in one all-reduce of both, and leaves nothing partial for the optimizer."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from utils.model_parallel import CollectiveLog
+
+    fake_group(2)
+    model = tiny_llama()
+    layer = model.model.layers[0]
+    parallelize_module(layer, init_device_mesh("cpu", (2,)), llama_plan(recipe, sequence_parallel=True))
+    hidden = torch.randn(2, 4, 32, requires_grad=True)                      # this rank's half of 8 tokens
+    position_embeddings = model.model.rotary_emb(hidden, torch.arange(8)[None].expand(2, 8))
+    out = layer(hidden, position_embeddings=position_embeddings, attention_mask=None)
+    (out[0] if isinstance(out, tuple) else out).sum().backward()
+    partial = [n for n, p in layer.named_parameters()
+               if isinstance(p.grad, DTensor) and p.grad.placements[0].is_partial()]
+    assert partial == ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    with CollectiveLog("reduce") as log:
+        reduced = recipe["reduce_partial_gradients"](layer)
+    assert reduced == partial
+    assert [(r["op"], r["in_bytes"]) for r in log.records] == [("all_reduce", 2 * 32 * 4)]
+    assert not any(isinstance(p.grad, DTensor) and p.grad.placements[0].is_partial() for p in layer.parameters())
+    assert recipe["reduce_partial_gradients"](layer) == []                  # nothing left: no collective
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "interleaved-zero-bubble", "zbv", "dualpipev"])
+def test_multi_stage_recipe_trains_a_sequential_like_one_process(recipe, one_rank, schedule):
+    """Two stages on one rank (looped or V), four micro-batches: the same gradients as the whole batch at once."""
+    from utils.pipeline_schedules import available_schedules
+
+    cls = available_schedules()[schedule]
+    if cls is None:
+        pytest.skip(f"this torch has no {schedule} schedule")
+    model, reference = sequential_mlp(), sequential_mlp()
+    inputs, targets = torch.randn(8, 16), torch.randn(8, 5)
+    pipeline = recipe["make_multi_stage_schedule"]({0: model[:2], 1: model[2:]}, 2, 4, F.mse_loss, cls)
+    losses = recipe["pipeline_step"](pipeline, [0, 1], 2, inputs, targets)
+    assert len(losses) == 4
+    F.mse_loss(reference(inputs), targets).backward()
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_all_gather_attention_on_llama_shaped_heads(recipe, one_rank):
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    positions = recipe["sequence_chunks"](16, 1, 0, True)
+    out = recipe["all_gather_attention"](q, k, v, positions, positions.clone())
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
