@@ -16,7 +16,8 @@ from utils.resume_demo import COMMANDS, Child, flat_weights, recipe_namespace
 from utils.state import _fsync_directory
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "16_checkpoint_and_resume.ipynb"
-RECIPE_CELLS = ("788a7cff", "r1-loop-co", "r1-save-co", "r1-save-co2", "r1-restore-co", "948feed4")   # build, train, state, save, restore, SIGTERM
+RECIPE_CELLS = ("788a7cff", "r1-loader-co", "r1-loop-co", "r1-save-co", "r1-save-co2", "r1-restore-co",
+                "948feed4")   # build, the loader, train, state, save, restore, SIGTERM
 SETTINGS = {"DEVICE": torch.device("cpu"), "ON_GPU": False, "AMP_DTYPE": torch.bfloat16, "SEED": 0, "DATA_SEED": 1,
             "IN_FEATURES": 8, "HIDDEN_FEATURES": 16, "NUM_CLASSES": 3, "NUM_SAMPLES": 64, "BATCH_SIZE": 16,
             "LR": 3e-3, "WARMUP_STEPS": 2, "TOTAL_STEPS": 7}

@@ -27,6 +27,7 @@ the other way round. A single GPU cannot host two NCCL ranks: with fewer GPUs th
 the CPU.
 """
 # --- the script, part 1 of 3: the process group, the device, the data and its sampler ---------------------------
+# Expects: nothing from your script (this part imports what all three use); torchrun sets RANK, WORLD_SIZE, LOCAL_RANK
 import argparse
 import contextlib
 import datetime
@@ -100,6 +101,7 @@ def make_loader(dataset: TensorDataset, batch_size: int, seed: int) -> DataLoade
 
 
 # --- the script, part 2 of 3: the model, the optimizer and the step -------------------------------------------------
+# Expects: part 1's imports; your model's repeated blocks; targets aligned with the logits (-100: padding, ignored)
 def make_model(width: int, layers: int, seed: int) -> tuple[nn.Module, list[nn.Module]]:
     """The model and the blocks FSDP2 shards one by one."""
     # replace with your model; return it with its repeated blocks (a transformers model: model.model.layers)
@@ -114,6 +116,12 @@ def make_model(width: int, layers: int, seed: int) -> tuple[nn.Module, list[nn.M
 def wrap_model(model: nn.Module, blocks: list[nn.Module], strategy: str, device: torch.device,
                mesh: DeviceMesh) -> nn.Module:
     """DDP keeps a whole copy of the model per rank; FSDP2 shards each block (then the rest) over the ranks."""
+    if dist.get_world_size() > 1 and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        if device.type != "cuda":   # each rank's BatchNorm would normalise with its own samples' statistics
+            raise ValueError("BatchNorm on CPU ranks: each would normalise with its own samples' statistics, not the "
+                             "global batch's; expected GPU ranks (the script converts to nn.SyncBatchNorm, CUDA "
+                             "only) or a norm without batch statistics (GroupNorm, LayerNorm)")
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)   # statistics over the global batch
     model = model.to(device)
     if strategy in ("ddp", "zero1"):
         # backward all-reduces the gradients in buckets; gradient_as_bucket_view: the gradients *are* the buckets
@@ -139,30 +147,43 @@ def logits_of(output: torch.Tensor | object) -> torch.Tensor:
     return getattr(output, "logits", output)            # a transformers model returns an output object
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
-               micro_batch: int, strategy: str) -> torch.Tensor:
+def split_batch(inputs: torch.Tensor | dict[str, torch.Tensor], size: int) -> list:
+    """A tensor, or a dict of tensors (input_ids, attention_mask, ...), cut into pieces of ``size`` rows."""
+    if isinstance(inputs, dict):
+        return [dict(zip(inputs, values)) for values in zip(*(value.split(size) for value in inputs.values()))]
+    return list(inputs.split(size))
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor | dict[str, torch.Tensor],
+               targets: torch.Tensor, micro_batch: int, strategy: str) -> torch.Tensor:
     """One optimizer step on this rank's batch, in micro-batches: gradients synchronised once, freed at the end."""
-    pieces = list(zip(inputs.split(micro_batch), targets.split(micro_batch)))
-    targets_in_batch = (targets != -100).sum()          # a tensor: counting them does not wait for the GPU
-    total = torch.zeros((), device=inputs.device)
+    pieces = list(zip(split_batch(inputs, micro_batch), targets.split(micro_batch)))
+    # the mean over the targets that count on *all* ranks (notebook 02): padding (-100) is spread unevenly over the
+    # ranks, so each divides its summed loss by the global count, times N because DDP's all-reduce and FSDP's
+    # reduce-scatter average the ranks' gradients: the N terms add up to the global batch's mean
+    targets_in_step = (targets != -100).sum()           # a tensor: counting them does not wait for the GPU
+    dist.all_reduce(targets_in_step)                    # one integer per step, summed over the ranks
+    total = torch.zeros((), device=targets.device)
     for index, (piece_inputs, piece_targets) in enumerate(pieces):
         last = index == len(pieces) - 1
         if strategy.startswith("fsdp"):
             model.set_requires_gradient_sync(last)          # FSDP2: reduce-scatter after the last backward only
         with model.no_sync() if strategy in ("ddp", "zero1") and not last else contextlib.nullcontext():
-            # summed over the piece, divided by the batch's targets (notebook 02): right for an uneven last piece
-            # and for padded (-100) targets too: each rank's loss is the mean over its batch's targets
-            logits = logits_of(model(piece_inputs)).flatten(0, -2).float()   # (tokens or samples, classes)
-            loss = F.cross_entropy(logits, piece_targets.flatten(), reduction="sum") / targets_in_batch
-            del logits                                  # a local name would keep the logits alive until the step ends
+            output = model(**piece_inputs) if isinstance(piece_inputs, dict) else model(piece_inputs)
+            logits = logits_of(output).flatten(0, -2).float()  # (tokens or samples, classes)
+            del output                                  # a local name would keep the logits alive until the step ends
+            # summed, not averaged: right for an uneven last piece and for padding; freed logits before backward
+            loss = F.cross_entropy(logits, piece_targets.flatten(), reduction="sum") * dist.get_world_size()
+            loss, logits = loss / targets_in_step, None
             loss.backward()                             # DDP: the all-reduce happens here, on the last piece
         total += loss.detach()                          # stays on the device: no synchronisation per micro-batch
     optimizer.step()                                    # ZeRO-1: each rank updates its share, then broadcasts it
     optimizer.zero_grad(set_to_none=True)               # free the gradients now, not at the next step (notebook 07)
-    return total
+    return total                                        # N x this rank's share: the mean over ranks is the loss
 
 
 # --- the script, part 3 of 3: sharded checkpoints and the loop -----------------------------------------------------
+# Expects: parts 1 and 2 (replace make_data and make_model there with your data set and your model)
 def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, step: int) -> Path:
     """Every rank writes its shards into step_NNNNNN.partial; rank 0 renames it once all have (atomic, notebook 16)."""
     final, partial = folder / f"step_{step:06d}", folder / f"step_{step:06d}.partial"

@@ -1,6 +1,6 @@
 """Fresh processes for notebook 16: run the notebook's own checkpoint recipe where nothing else is in memory.
 
-Introduced in notebook 16. The notebook writes its recipe as plain functions (``make_data``,
+Introduced in notebook 16. The notebook writes its recipe as plain functions (``make_data``, ``epoch_batches``,
 ``make_run``, ``train``, ``training_state``, ``save_atomically``, ``restore`` and
 ``train_until_preempted``); a resumed run proves something only in a process that shares nothing
 with the run that saved, so the notebook sends the *source text* of those functions
@@ -21,6 +21,7 @@ technique is the notebook's.
 
 from __future__ import annotations
 
+import itertools
 import math
 import multiprocessing
 import os
@@ -32,12 +33,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 from .checks import positive_number
 
-RECIPE_FUNCTIONS = ("make_data", "make_run", "train", "training_state", "save_atomically", "restore")
+RECIPE_FUNCTIONS = ("make_data", "make_run", "epoch_batches", "train", "training_state", "save_atomically",
+                    "restore")
 
 
 def recipe_namespace(recipe: str, settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -62,7 +66,8 @@ def recipe_namespace(recipe: str, settings: Mapping[str, Any]) -> dict[str, Any]
 
     namespace: dict[str, Any] = {"__name__": "recipe", "math": math, "os": os, "random": random, "signal": signal,
                                  "tempfile": tempfile, "time": time, "Path": Path, "torch": torch, "F": F,
-                                 "nn": torch.nn, "utils": utils, **settings}
+                                 "nn": torch.nn, "utils": utils, "np": np, "itertools": itertools,
+                                 "DataLoader": DataLoader, "TensorDataset": TensorDataset, **settings}
     exec(compile(recipe, "<notebook 16's recipe>", "exec"), namespace)
     missing = [name for name in RECIPE_FUNCTIONS if not callable(namespace.get(name))]
     if missing:

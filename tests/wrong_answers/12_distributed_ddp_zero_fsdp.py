@@ -90,6 +90,53 @@ def zero1_optimizers(models):
     return [torch.optim.AdamW([dict(model.named_parameters())[n] for n in names[rank::len(models)]],
                               lr=LEARNING_RATE, foreach=False) for rank, model in enumerate(models)]
 ''' + _UPDATE,
+        "shares contiguous runs of tensors (balanced only when every layer has the same shape)": '''
+def zero1_optimizers(models):
+    names = [name for name, _ in models[0].named_parameters()]
+    per_rank = -(-len(names) // len(models))
+    return [torch.optim.AdamW([dict(model.named_parameters())[n] for n in names[rank * per_rank:(rank + 1) * per_rank]],
+                              lr=LEARNING_RATE, foreach=False) for rank, model in enumerate(models)]
+''' + _UPDATE,
+        "sorts by size, then deals the tensors round-robin (balanced only for equal pairs of shapes)": '''
+def zero1_optimizers(models):
+    sizes = {name: p.numel() for name, p in models[0].named_parameters()}
+    order = sorted(sizes, key=sizes.get, reverse=True)
+    return [torch.optim.AdamW([dict(model.named_parameters())[n] for n in order[rank::len(models)]], lr=LEARNING_RATE,
+                              foreach=False) for rank, model in enumerate(models)]
+''' + _UPDATE,
+        "each owner sends its update to 'the other rank' only (right for two ranks)": _BALANCED + '''
+def zero1_update(models, optimizers):
+    for optimizer in optimizers:
+        optimizer.step()
+    with torch.no_grad():
+        for rank, optimizer in enumerate(optimizers):
+            owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            for mine, theirs in zip(models[rank].parameters(), models[1 - rank].parameters()):
+                if id(mine) in owned:
+                    theirs.copy_(mine)
+''',
+        "broadcasts by rebinding .data: the replicas end up sharing the owner's tensors": _BALANCED + '''
+def zero1_update(models, optimizers):
+    for optimizer in optimizers:
+        optimizer.step()
+    for rank, optimizer in enumerate(optimizers):
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for mine, *replicas in zip(models[rank].parameters(), *(m.parameters() for m in models)):
+            if id(mine) in owned:
+                for replica in replicas:
+                    replica.data = mine.data
+''',
+        "AdamW without weight decay (weight_decay=0: not the optimizer asked for)": '''
+def zero1_optimizers(models):
+    sizes = {name: p.numel() for name, p in models[0].named_parameters()}
+    shares, loads = [[] for _ in models], [0] * len(models)
+    for name in sorted(sizes, key=sizes.get, reverse=True):
+        rank = loads.index(min(loads))
+        shares[rank].append(name)
+        loads[rank] += sizes[name]
+    return [torch.optim.AdamW([dict(model.named_parameters())[n] for n in share], lr=LEARNING_RATE, weight_decay=0.0,
+                              foreach=False) for model, share in zip(models, shares)]
+''' + _UPDATE,
     },
     "exercise_2": {
         "broadcasts from the last rank (the replicas agree, on rank 1's initial weights)": '''
@@ -149,6 +196,32 @@ def broadcast_from_rank0(models):
             for replica in replicas:
                 replica.copy_(source)
             return
+''',
+        "copies the parameters only: BatchNorm's running statistics stay each rank's own": '''
+def broadcast_from_rank0(models):
+    with torch.no_grad():
+        for source, *replicas in zip(*(model.parameters() for model in models)):
+            for replica in replicas:
+                replica.copy_(source)
+''',
+        "copies rank 0's tensors into models[1] only (right for two ranks)": '''
+def broadcast_from_rank0(models):
+    with torch.no_grad():
+        for source, replica in zip(models[0].state_dict().values(), models[1].state_dict().values()):
+            replica.copy_(source)
+''',
+        "replaces every replica by a deep copy of rank 0's model (new tensors, not copied into in place)": '''
+def broadcast_from_rank0(models):
+    import copy
+    models[1:] = [copy.deepcopy(models[0]) for _ in models[1:]]
+''',
+        "copies the floating-point tensors only: BatchNorm's batch counter stays each rank's own": '''
+def broadcast_from_rank0(models):
+    with torch.no_grad():
+        for source, *replicas in zip(*(model.state_dict().values() for model in models)):
+            if source.is_floating_point():
+                for replica in replicas:
+                    replica.copy_(source)
 ''',
     },
 }

@@ -64,6 +64,32 @@ def repair(checkpoint):
     repaired["position"] = {"step": step, "epoch": epoch, "batch": batch}
     return repaired
 ''',
+        "also sets AdamW's step counters to the repaired step (changes the optimizer, not only the position)": '''
+def repair(checkpoint):
+    repaired = copy.deepcopy(checkpoint)
+    step = repaired["scheduler"]["last_epoch"]
+    epoch, batch = divmod(step, NUM_SAMPLES // BATCH_SIZE)
+    repaired["position"] = {"step": step, "epoch": epoch, "batch": batch}
+    for state in repaired["optimizer"]["state"].values():
+        state["step"] = torch.tensor(float(step))
+    return repaired
+''',
+        "rebuilds the checkpoint from the model, optimizer, scheduler and position only (drops the rest)": '''
+def repair(checkpoint):
+    step = checkpoint["scheduler"]["last_epoch"]
+    epoch, batch = divmod(step, NUM_SAMPLES // BATCH_SIZE)
+    return {"model": copy.deepcopy(checkpoint["model"]), "optimizer": copy.deepcopy(checkpoint["optimizer"]),
+            "scheduler": copy.deepcopy(checkpoint["scheduler"]),
+            "position": {"step": step, "epoch": epoch, "batch": batch}}
+''',
+        "a shallow copy whose position it edits in place (the caller's checkpoint changes too)": '''
+def repair(checkpoint):
+    repaired = copy.copy(checkpoint)
+    step = repaired["scheduler"]["last_epoch"]
+    epoch, batch = divmod(step, NUM_SAMPLES // BATCH_SIZE)
+    repaired["position"].update(step=step, epoch=epoch, batch=batch)
+    return repaired
+''',
     },
     "exercise_2": {
         "sorts the file names as text: step-9 comes after step-13": '''
@@ -136,6 +162,45 @@ def newest_loadable(folder):
         return torch.load(paths[-1], map_location="cpu", weights_only=True)
     except Exception:
         return None
+''',
+        "deletes the files it cannot load (the folder changes)": '''
+def newest_loadable(folder):
+    paths = sorted(folder.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]), reverse=True)
+    for path in paths:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception:
+            path.unlink()
+    if paths:
+        raise RuntimeError("no checkpoint loads")
+    return None
+''',
+        "treats step 0 as 'no checkpoint' (a falsy test of the step)": '''
+def newest_loadable(folder):
+    steps = sorted((int(p.stem.split("-")[1]) for p in folder.glob("step-*.pt")), reverse=True)
+    for step in steps:
+        if not step:
+            return None
+        try:
+            return torch.load(folder / f"step-{step}.pt", map_location="cpu", weights_only=True)
+        except Exception:
+            continue
+    if steps:
+        raise RuntimeError("no checkpoint loads")
+    return None
+''',
+        "catches only the unpickler's error: a truncated file raises something else": '''
+def newest_loadable(folder):
+    import pickle
+    paths = sorted(folder.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]), reverse=True)
+    for path in paths:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            continue
+    if paths:
+        raise RuntimeError("no checkpoint loads")
+    return None
 ''',
     },
 }

@@ -58,6 +58,20 @@ WRONG = {
             _MODEL_PLAIN + _recipe_step(),
         "checkpointing in fp32, no autocast: the pieces do not fit the budget":
             _MODEL_CHECKPOINTED + _recipe_step(dtype="torch.float32"),
+        "always LLAMA_PIECES micro-batches (right for the target, too large for a bigger batch)":
+            _MODEL_CHECKPOINTED + _recipe_step(micro_batches="LLAMA_PIECES"),
+        "one piece more than the rows need (len // fits + 1): a batch of exactly llama_fits takes two passes":
+            _MODEL_CHECKPOINTED + _recipe_step(micro_batches="len(labels) // llama_fits + 1"),
+        "freezes the embeddings to save memory (changes which parameters train)": '''
+def llama_model_and_optimizer():
+    return build_recipe(build_llama, checkpointed=True, blocks=LLAMA_OPTIONS["blocks"])
+''' + '''
+def llama_step(model, optimizer, scaler, inputs, labels):
+    model.model.embed_tokens.weight.requires_grad_(False)
+    micro_batches = math.ceil(len(labels) / llama_fits)
+    return train_step(model, optimizer, scaler, inputs, labels, micro_batches, AMP_DTYPE,
+                      loss_sum=llama_loss_sum, count=llama_count)
+''',
     },
     "exercise_2": {
         "keeps the last error to report it (its traceback holds the failed step's tensors)": '''
@@ -151,6 +165,50 @@ def find_executable_batch_size(step, model, start):
         gc.collect()
         size //= 2
     return size
+''',
+        "stops above batch size 1 (while size > 1): from 1 it never tries": '''
+def find_executable_batch_size(step, model, start):
+    size = start
+    while size > 1:
+        try:
+            step(size)
+            return size
+        except torch.OutOfMemoryError:
+            pass
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        size //= 2
+    raise RuntimeError("nothing fits")
+''',
+        "steps down by one instead of halving (returns the largest that fits, not accelerate's halving)": '''
+def find_executable_batch_size(step, model, start):
+    size = start
+    while size >= 1:
+        try:
+            step(size)
+            return size
+        except torch.OutOfMemoryError:
+            pass
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        size -= 1
+    raise RuntimeError("nothing fits")
+''',
+        "resets the gradients to zeros after the size that runs (allocated zeros, not freed)": '''
+def find_executable_batch_size(step, model, start):
+    size = start
+    while size >= 1:
+        try:
+            step(size)
+            for parameter in model.parameters():
+                parameter.grad = torch.zeros_like(parameter)
+            return size
+        except torch.OutOfMemoryError:
+            pass
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        size //= 2
+    raise RuntimeError("nothing fits")
 ''',
     },
 }
