@@ -67,6 +67,20 @@ def predict_state_bytes(model):
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return weights, trainable, trainable
 ''',
+        "takes every parameter's element size from the first parameter's dtype": '''
+def predict_state_bytes(model):
+    element = next(model.parameters()).element_size()
+    weights = sum(p.numel() for p in model.parameters()) * element
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) * element
+    return weights, trainable, trainable
+''',
+        "switches the model to eval mode to count it, and leaves it there": '''
+def predict_state_bytes(model):
+    model.eval()                                   # counting, not training
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return weights, trainable, trainable
+''',
     },
     "exercise_2": {
         "forgets the step counters": '''
@@ -126,6 +140,24 @@ def predict_adamw_state_bytes(model, amsgrad):
     trainable = [p for p in model.parameters() if p.requires_grad]
     counter = 8 if trainable and trainable[0].dtype == torch.float64 else 4
     return sum((3 if amsgrad else 2) * p.numel() * p.element_size() for p in trainable) + counter * len(trainable)
+''',
+        "takes every parameter's element size from the first parameter's dtype": '''
+def predict_adamw_state_bytes(model, amsgrad):
+    element = next(model.parameters()).element_size()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return sum((3 if amsgrad else 2) * p.numel() * element for p in trainable) + 4 * len(trainable)
+''',
+        "steps a throwaway AdamW on zero gradients and reads its state (the weight decay moves the weights)": '''
+def predict_adamw_state_bytes(model, amsgrad):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    probe = torch.optim.AdamW(trainable, amsgrad=amsgrad)
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
+    probe.step()
+    total = sum(s.numel() * s.element_size() for state in probe.state.values() for s in state.values())
+    for p in trainable:
+        p.grad = None
+    return total
 ''',
     },
 }
