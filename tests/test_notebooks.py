@@ -52,19 +52,35 @@ CHECK_BUDGET_S = {"00_measuring_memory_and_time": 30, "01_parameter_footprint": 
                   # process start dominates: each rank is a fresh Python that imports torch (~19 s)
                   "12_distributed_ddp_zero_fsdp": 40,
                   # one launch of 4 ranks forked from one fork server that imports torch and DTensor (which
-                  # imports sympy and inductor) once, ~3 CPU-s; ~1.5 CPU-s of work per rank (~14 s of CPU on an
-                  # idle machine, ~19 with five jobs sharing two cores)
-                  "13_model_parallel_tp_sp_pp_cp": 25,
-                  # three one-block compiles on aot_eager_decomp_partition, no Inductor: a cold cache costs
-                  # nothing (~15 s)
-                  "08_memory_budget_offloading_chunked_loss": 30,
-                  # five budgeted width searches, each building and training a model per width it tries (~10 s)
-                  "09_fine_tuning_lora_and_optimizer_memory": 30,
-                  # three budgeted sequence-length searches and their probes, the naive attention's L x L (~12 s)
+                  # imports sympy and dynamo) once, ~3-4 CPU-s; ~1.6-2.4 CPU-s of work per rank (three TP steps
+                  # with every collective logged, FSDP x TP, six pipeline schedules of one step each); in the
+                  # kernel, DTensor on fake ranks for section 1 and exercise 1 (~3 s), the layout search (~1 s) and
+                  # twenty wrong answers (~1 s: their split steps are cached). 19-28 CPU-s measured with a load of
+                  # 8-17 on 2 shared cores (hyperthreads: CPU seconds grow with the load); a runaway guard, as
+                  # issue 45 asks, at about twice that
+                  "13_model_parallel_tp_sp_pp_cp": 50,
+                  # importing transformers' Mixtral and Qwen3-MoE (~2.5 s), one launch of 4 ranks forked from a fork
+                  # server that imports torch, FSDP2 and torch._dynamo once (~4.5 s of CPU in all), fourteen wrong
+                  # answers (~1 s): ~10 s of CPU on a lightly loaded machine, up to ~17 s under a load of 10-20
+                  "14_mixture_of_experts": 24,
+                  # 08, 09, 11: a budget catches a runaway, several times the CPU-seconds of a run beside other
+                  # jobs (~11, ~16, ~7 s on the AVX-512 reference); the figures are the benchmark's, not asserted.
+                  # 08: two one-block compiles on aot_eager_decomp_partition, no Inductor: a cold cache costs
+                  # nothing; its LM head in bf16 at check mode's sizes (an emulated bf16 costs a few seconds more)
+                  "08_memory_budget_offloading_chunked_loss": 45,
+                  # five budgeted width searches, each building and training a model per width it tries; peft
+                  "09_fine_tuning_lora_and_optimizer_memory": 60,
+                  # three budgeted sequence-length searches and their probes, the naive attention's L x L
                   "11_long_sequences_attention_memory": 30,
                   # importing transformers and peft for the prepare_model_for_kbit_training trap (~3 s), four
-                  # short bf16 training runs, sixteen wrong answers (~12 s)
-                  "10_fewer_bits_4bit_bf16_fp8": 30}
+                  # short bf16 training runs, the calculator's 7B, 70B and 65B rows (~5 s), nineteen wrong answers
+                  # (~4 s; exercise 2's measured Llamas are cached across them): ~16-19 s on a loaded machine
+                  "10_fewer_bits_4bit_bf16_fp8": 30,
+                  # importing transformers and peft (~4 s), some forty generate calls on two-layer models under the
+                  # exact tracker, a dozen GRPO steps, four plots, eighteen wrong answers (each exercise's graded cell
+                  # measures its configurations once: ~2.5 s for all of them); 15-19 s of CPU with two cores shared by
+                  # a dozen processes
+                  "15_when_training_generates": 30}
 NBVAL_EXPECTED = ROOT / "tests" / "nbval_expected.json"
 
 
@@ -317,6 +333,8 @@ EXPECTED_FIGURES = {
         "mlp_forward_speedup": lambda v, f: v > 0,
         "recompiles_static_shapes": lambda v, f: v == 4,
         "saved_activation_ratio_compiled_vs_eager": lambda v, f: v < 1,
+        "mlp_step_matmul_share": lambda v, f: 0 < v < 1,                      # Amdahl's ceiling is 1 / v
+        "transformer_step_speedup": lambda v, f: v > 0,                       # compiled with its optimizer step
     },
     "06_profiling_where_the_time_goes": {
         "trace_ranges_found": lambda v, f: v == 4,
@@ -341,6 +359,10 @@ EXPECTED_FIGURES = {
         "bandwidth_gbs": lambda v, f: v > 0,
         "signature_a_data_share": lambda v, f: 0 <= v <= 1,
         "signature_b_intensity": lambda v, f: 0 < v < f["signature_c_intensity"],
+        "step_ms_recommended_workers": lambda v, f: v > 0,                    # the recommendation, run and timed
+        "wait_share_recommended_workers": lambda v, f: 0 <= v <= 1,
+        "peak_matmul_gflops_bf16": lambda v, f: v > 0,                        # a roof beside fp32's
+        "signature_b_overhead_over_roofline": lambda v, f: v > 0,
     },
     "07_what_frees_memory": {
         "del_output_freed_bytes": lambda v, f: v == 0,
@@ -374,7 +396,8 @@ EXPECTED_FIGURES = {
         "sigterm_to_saved_ms": lambda v, f: v > 0,
         "sync_save_ms": lambda v, f: v > 0,
         "async_stall_ms": lambda v, f: v > 0,
-        "async_stall_over_sync": lambda v, f: v > 0,
+        "background_save_speedup": lambda v, f: v > 0,                    # filed with its noise band
+        "weight_difference_plain_dataloader": lambda v, f: v > 0,          # a loader without a generator of its own
         "young_interval_s": lambda v, f: v > 0,
         "simulated_best_over_young": lambda v, f: v in (0.5, 1, 2),
         "simulated_overhead_at_young": lambda v, f: 0 < v < 1,
@@ -396,8 +419,13 @@ EXPECTED_FIGURES = {
         "llama_largest_batch_gain": lambda v, f: v >= 1,
         "llama_calculator_over_memtracker_peak": lambda v, f: v == 1,                # replayed to the byte on a CPU
         "llama_recipe_gradient_relative_error": lambda v, f: 0 <= v < 2.5e-4,   # fp32 summation order, full mode's B*T*eps
+        # timings, each filed with its noise band (record_comparison): only their sign is checked
         "ladder_top_speedup": lambda v, f: v > 0,
-        "autocast_rung_speedup": lambda v, f: v > 0,
+        "rung_speedup_autocast": lambda v, f: v > 0,
+        "rung_speedup_sdpa": lambda v, f: v > 0,
+        "rung_speedup_torch_compile": lambda v, f: v > 0,
+        "rung_speedup_fused_adamw": lambda v, f: v > 0,
+        "rung_speedup_larger_batch": lambda v, f: v > 0,
         "checkpoint_speed": lambda v, f: v > 0,
     },
     "12_distributed_ddp_zero_fsdp": {
@@ -408,7 +436,7 @@ EXPECTED_FIGURES = {
         "ddp_bytes_per_parameter": lambda v, f: 16 <= v < 16.01,      # gradient_as_bucket_view: no 4 more
         "no_reshard_extra_over_4psi": lambda v, f: v == 1.0,
         "fsdp_over_ddp_communication": lambda v, f: abs(v - 1.5) < 1e-3,
-        "fsdp_over_ddp_step_time": lambda v, f: v > 0,
+        "fsdp_step_speed_vs_ddp": lambda v, f: v > 0,                 # a timing: filed with its band, sign only
         "dcp_reshard_weight_difference": lambda v, f: v < 5e-4,
         "gpus_for_70b_fsdp": lambda v, f: v == 32,
         "calculator_7b_fsdp_peak_gib": lambda v, f: 0 < v <= 0.9 * 80e9 / 2**30,   # the whole step fits its 2 GPUs
@@ -417,19 +445,47 @@ EXPECTED_FIGURES = {
     "13_model_parallel_tp_sp_pp_cp": {
         "launch_seconds": lambda v, f: v > 0,
         "tp_max_output_error": lambda v, f: v < 1e-5,
+        "tp_sp_max_weight_grad_error": lambda v, f: v < 1e-5,                   # every weight, every layout
         "tp_state_fraction_of_one_process": lambda v, f: 0.25 < v < 0.5,        # matrices 1/4, norms whole
         "tp_activation_fraction": lambda v, f: 0.25 < v < 1,
         "sp_activation_fraction": lambda v, f: 0.25 < v < f["tp_activation_fraction"],
-        "tp_collectives_per_block_forward": lambda v, f: v == 2,                 # Megatron's two all-reduces
+        "sp_optimizer_all_reduces": lambda v, f: v > 0 and v % 4 == 0,          # per partial norm gradient (4)
+        "sp_step_collectives_bucketed": lambda v, f: v == 9,                    # 4 + 4 + the one bucket
         "loss_parallel_logits_fraction": lambda v, f: v == 0.25,
         "two_d_over_fsdp_state": lambda v, f: v > 1,                             # the norms are only halved
         "pipeline_bubble_fraction": lambda v, f: 0 < v < 1,
         "gpipe_over_1f1b_stage0_activations": lambda v, f: v > 1,
+        "interleaved_1f1b_bubble_fraction": lambda v, f: 0 < v < f["pipeline_bubble_fraction"],
+        "interleaved_over_1f1b_peak": lambda v, f: v > 1,                      # more stage-micro-batches in flight
         "ring_max_error": lambda v, f: v < 1e-5,
         "contiguous_busiest_over_least": lambda v, f: v > 1,
         "smallest_gpus_70b": lambda v, f: 16 * 69e9 / 72e9 <= v <= 256,
         "smallest_gpus_405b": lambda v, f: v > f["smallest_gpus_70b"],
         "calculator_checks_equal_to_the_byte": lambda v, f: v == 11,            # every section-1-4 figure
+        "fastest_layout_mfu_405b": lambda v, f: 0 < v < 1,
+        "llama3_layout_modelled_mfu": lambda v, f: 0 < v <= f["fastest_layout_mfu_405b"] + 1e-9,
+    },
+    "14_mixture_of_experts": {
+        "transformers_max_difference": lambda v, f: v < 1e-5,                 # the layer = Mixtral's, Qwen3-MoE's
+        "aux_loss_difference": lambda v, f: v < 1e-5,
+        "expert_share_of_parameters": lambda v, f: 0.5 < v < 1,
+        "padded_over_loop_one_token": lambda v, f: v > 1,                      # the busiest expert sets the buffer
+        "dropped_share_at_lowest_factor": lambda v, f: 0 < v < 1,
+        "saved_bytes_spread_over_steps": lambda v, f: v >= 1,
+        "busiest_with_aux_over_without": lambda v, f: v > 0,
+        "padded_over_loop_speed": lambda v, f: v > 0,
+        "grouped_over_loop_speed": lambda v, f: v > 0,
+        "launch_seconds": lambda v, f: v > 0,
+        "ep_max_difference_from_one_process": lambda v, f: v < 1e-5,
+        "ep_state_fraction_of_one_process": lambda v, f: 0.25 < v < 0.26,      # 1/4, plus the step counters
+        "ep_busiest_rank_over_mean_activations": lambda v, f: v >= 1,
+        "all_to_all_calls_as_predicted": lambda v, f: v == 20,                 # 5 calls on each of 4 ranks
+        "dispatch_busiest_over_balanced": lambda v, f: v > 0,
+        "calculator_checks_equal_to_the_byte": lambda v, f: v == 8 + 3 * 4,   # two tiny steps, 4 ranks
+        "mixtral_qlora_over_lora_attention": lambda v, f: 0.9 < v < 1,       # the 3-D experts stay 16-bit
+        "mixtral_lora_experts_over_attention": lambda v, f: v > 1,           # peft's merged expert weights
+        "smallest_gpus_mixtral_8x7b": lambda v, f: 16 * 46.7e9 / 72e9 <= v <= 64,
+        "smallest_gpus_deepseek_v3_shaped": lambda v, f: 16 * 685e9 / 72e9 <= v <= 4096,
     },
     "09_fine_tuning_lora_and_optimizer_memory": {
         "top_over_bottom_frozen_activations": lambda v, f: v > 1,
@@ -467,10 +523,15 @@ EXPECTED_FIGURES = {
     "10_fewer_bits_4bit_bf16_fp8": {
         "nf4_double_quant_bits_per_parameter": lambda v, f: 4.12 < v < 4.2,         # 4 + 8/64 + 32/(64*256), a few offsets
         "nf4_relative_weight_error": lambda v, f: 0 < v < 0.15,
+        "nf4_over_int4_error_normal_weights": lambda v, f: 0 < v < 1,              # why NF4 exists
         "naive_dequant_saved_over_packed_weight": lambda v, f: v == 4,              # bf16 copy: 2 B against 0.5 B
+        "qlora_layer_dequantize_share": lambda v, f: v > 0,                         # a timing: its size is not asserted
         "qlora_over_bf16_lora_step_peak": lambda v, f: 0 < v < 1,
         "bf16_lora_over_full_step_peak": lambda v, f: 0 < v < 1,
         "prepared_over_plain_qlora_step_peak": lambda v, f: v > 1,
+        "prepared_qlora_over_bf16_lora_step_peak": lambda v, f: v > 0,              # computed, either way
+        "wide_vocab_prepared_over_bf16_lora_step_peak": lambda v, f: v > 1,         # #1569's inversion, reproduced
+        "paged_optimizer_peak_saving_fraction": lambda v, f: 0 < v < 1,
         "bf16_updates_lost_lr_1e-4": lambda v, f: 0 < v < 1,
         "bf16_nearest_stayed_put_fraction": lambda v, f: v == f["bf16_updates_lost_lr_1e-4"],  # the same weights
         "stochastic_rounding_realised_fraction": lambda v, f: abs(v - 1) < 0.05,
@@ -478,9 +539,15 @@ EXPECTED_FIGURES = {
         "bf16_sr_max_loss_deviation": lambda v, f: v >= 0,
         "bf16_nearest_max_loss_deviation": lambda v, f: v >= 0,
         "fp8_rowwise_over_tensorwise_activation_error": lambda v, f: 0 < v <= 1.05,
-        "fsdp_fp8_all_gather_comm_over_bf16": lambda v, f: abs(v - 2 / 3) < 1e-3,  # two of three passes halved
+        "fp8_rowwise_over_tensorwise_outlier_token_error": lambda v, f: 0 < v < 0.5,
+        "fp8_unscaled_over_tensorwise_gradient_error": lambda v, f: v > 1,          # underflow
+        "fp8_unscaled_gradient_flushed_fraction": lambda v, f: 0 < v < 1,
+        "fp8_delayed_over_current_error_at_spike": lambda v, f: v > 2,
+        # Float8Linear converts the blocks' Linear weights only: 1 - L / (3 P) for Llama 2 7B, not 2/3
+        "fsdp_fp8_all_gather_comm_over_bf16": lambda v, f: abs(v - (1 - 6_476_005_376 / (3 * 6_738_415_616))) < 1e-9,
         "qlora_70b_model_state_gb": lambda v, f: 30 < v < 80,
         "prepared_70b_extra_gb": lambda v, f: abs(v - 2 * 2 * 32000 * 8192 / 1e9) < 0.01,  # embeddings + head, norms
+        "qlora_65b_step_peak_gb": lambda v, f: 40 < v < 60,
     },
     "11_long_sequences_attention_memory": {
         "attention_saved_bytes_max_error": lambda v, f: v == 0,                 # predicted to the byte on the CPU
@@ -500,6 +567,7 @@ EXPECTED_FIGURES = {
         "packed_fp32_bound": lambda v, f: 0 < v < 1e-3,                        # layers · longest sum · ε
         "packed_document_loss_max_difference": lambda v, f: v <= f["packed_fp32_bound"],
         "packed_gradient_relative_difference": lambda v, f: v <= f["packed_fp32_bound"],
+        "packed_window_loss_max_difference": lambda v, f: v <= f["packed_fp32_bound"],   # the window kept, packed
         "padded_over_packed_saved_bytes": lambda v, f: v > 1,
         "padded_over_packed_step_peak": lambda v, f: v > 0,
         "padded_over_packed_step_time": lambda v, f: v > 0,
@@ -508,6 +576,22 @@ EXPECTED_FIGURES = {
         "longest_sequence_naive": lambda v, f: v >= 1 and v == int(v),
         "longest_sequence_sdpa": lambda v, f: v > f["longest_sequence_naive"],
         "longest_sequence_sdpa_checkpointed": lambda v, f: v >= f["longest_sequence_sdpa"],
+    },
+    "15_when_training_generates": {
+        "kv_cache_prediction_error_bytes": lambda v, f: v == 0,              # every forward, every cache kind
+        "prefill_peak_all_logits_over_last": lambda v, f: v > 1,
+        "sliding_window_cache_fraction": lambda v, f: 0 < v < 1,
+        "evaluation_crossover_answers": lambda v, f: v >= 1 and v == int(v),
+        "evaluation_over_training_peak": lambda v, f: v >= 1,                # measured at the predicted crossover
+        "generate_flops_without_cache_over_with": lambda v, f: v > 1,
+        "rewarded_probability_after_over_before": lambda v, f: v > 1,
+        "grpo_phase_prediction_error_bytes": lambda v, f: v == 0,
+        "adapters_disabled_saving_over_copy_bytes": lambda v, f: v == 1,     # exactly the copy's bytes
+        "chunked_over_whole_reference_peak": lambda v, f: 0 < v < 1,
+        "micro_batched_over_whole_policy_peak": lambda v, f: 0 < v < 1,
+        "bf16_over_fp32_reference_peak_unchunked": lambda v, f: v > 1,       # the fp32 upcast of bf16 logits
+        "bf16_reference_max_logprob_difference": lambda v, f: 0 < v < 0.1,
+        "combined_levers_over_full_fine_tuning_peak": lambda v, f: 0 < v < 1,
     },
 }
 
