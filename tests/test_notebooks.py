@@ -592,6 +592,9 @@ EXPECTED_FIGURES = {
         "bf16_over_fp32_reference_peak_unchunked": lambda v, f: v > 1,       # the fp32 upcast of bf16 logits
         "bf16_reference_max_logprob_difference": lambda v, f: 0 < v < 0.1,
         "combined_levers_over_full_fine_tuning_peak": lambda v, f: 0 < v < 1,
+        "calculator_grpo_phase_error_bytes": lambda v, f: v == 0,           # the calculator replays the step
+        "grpo_step_32k_over_4k_bytes": lambda v, f: v > 1,                  # the real-model table, Llama-3.2-1B
+        "grpo_levers_left_of_32k_step": lambda v, f: 0 < v <= 1,
     },
 }
 

@@ -53,8 +53,9 @@ layers, head, loss); a family overrides what differs: ``project_qkv`` (Qwen3's q
 one: a module, its import in ``families/__init__.py``, a shipped config and grid rows in ``hf_grid.py``; the
 field-walking test names the fields to decide. Follow-ups plug in the same way: a mixture-of-experts block is a
 family's ``block`` with routing given as tokens per expert (the busiest expert's activations set the peak, and its
-``layer_signature`` marks MoE layers); generation (the KV cache, ``--generate``) a ``forward`` without backward that
-holds the cache with ``r.hold``; other pipeline schedules (interleaved, zero-bubble) belong to
+``layer_signature`` marks MoE layers); generation (notebook 15) is ``generate.py`` (transformers' ``generate``:
+the cache in ``generate_cache.py``, the family's ``generating_forward`` in ``families/decoder_generation.py``) and
+``rl.py`` / ``rl_ops.py`` (a GRPO step), on the command line ``--generate`` and ``--rl`` (``generate_cli.py``); other pipeline schedules (interleaved, zero-bubble) belong to
 ``parallel_layout.micro_batches_in_flight``.
 
 Exactness. On the CPU the exact tracker measures the course's step (``reference_step``) over a grid of 38
@@ -101,6 +102,20 @@ from .model_parallel import (ParallelLayout, ParallelModel, format_parallel, pre
                              smallest_fitting_layout)
 from .cli import main
 
+# generation and the RL step (notebook 15), loaded on first use: name -> module
+_LAZY = {"GenerateSetup": "generate", "GenerationBreakdown": "generate", "predict_generate": "generate",
+         "RLSetup": "rl", "RLBreakdown": "rl", "predict_rl_step": "rl", "RL_PHASES": "rl"}
+
+
+def __getattr__(name: str) -> object:
+    """The names of ``generate.py`` and ``rl.py``, imported when first asked for."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 ARCHS = registry.arches(transformers=False)      # the course's designs: "gpt", "llama"
 HF_ARCHS = registry.arches(transformers=True)    # transformers' families: "hf-llama", "hf-gpt2", ...
 Prediction = MemoryBreakdown   # the name the issues use for what predict and predict_hf return
@@ -115,5 +130,5 @@ __all__ = [
     "format_validation", "main", "predict_hf", "load_hf_config", "model_config_from_hf", "HF_MODEL_TYPES",
     "SHIPPED_CONFIGS", "HF_ARCHS", "ATTENTIONS", "LOSSES", "BASE_QUANTS", "BF16_ROUNDINGS", "ParallelLayout",
     "ParallelModel", "format_parallel", "predict_parallel", "smallest_fitting_layout", "OUTPUTS", "LAYER_TYPES",
-    "OPTIMIZER_OPTIONS", "lora_overrides", "registry",
+    "OPTIMIZER_OPTIONS", "lora_overrides", "registry", *sorted(_LAZY),
 ]

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from . import model_parallel, registry
+from . import generate_cli, model_parallel, registry
 from .config import (ATTENTIONS, BASE_QUANTS, BF16_ROUNDINGS, CHECKPOINTING, DEVICES, LORA_TARGETS, LOSSES, OPTIMIZER_IMPLS,
                      OPTIMIZERS, OUTPUTS, PRECISIONS, STRATEGIES, TrainingSetup)
 from .from_transformers import SHIPPED_CONFIGS
@@ -95,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --validate: the device to measure on (cuda: the allocator's figures; its first "
                              "GPU run found the cuBLAS workspaces in every peak, since left out)")
     model_parallel.add_arguments(parser)      # --tp, --pp, --cp, --dp, --zero, --schedule, --micro-batches
+    generate_cli.add_arguments(parser)        # --generate, --rl (notebook 15)
     return parser
 
 
@@ -141,6 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{len(rows)} configurations {where}; worst relative error per term: "
               + ", ".join(f"{term} {value:.2e}" for term, value in worst.items()))
         return 0 if args.on == "cuda" or not any(worst.values()) else 1
+    if generate_cli.wants_generation(args):   # notebook 15: one generate call, or one GRPO step
+        try:
+            print(generate_cli.run(args, model_from_args(args, parser.error)))
+        except ValueError as error:
+            parser.error(str(error))
+        return 0
     if model_parallel.wants_model_parallel(args):   # notebook 13's per-GPU bytes under TP / PP / CP with DP
         try:
             print(model_parallel.run(args))

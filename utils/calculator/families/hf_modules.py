@@ -299,7 +299,12 @@ def lora_linear(r, x: _T, prefix: str, path: str, fan_out: int, bias: bool, targ
     base_name = prefix + path + (".base_layer" if lora else "")
     w = r.p(base_name + ".weight")
     b = r.p(base_name + ".bias") if bias else None
-    result = r.linear(x, w, b, fan_out, prefix + path)
+    flat = x
+    if b is not None:      # F.linear on (B, T, C) with a bias: addmm on input.reshape(B·T, C), made before weight.t(),
+        flat = r.output(r.view(x), r.node(f"ViewBackward {prefix}{path} flatten", [(x, "pass")]))   # so backward
+    result = r.linear(flat, w, b, fan_out, prefix + path)        # hands x its gradient after the weight's is summed
+    if flat is not x:
+        r.rel(flat)
     if not lora or getattr(r, "adapters_disabled", False):   # peft's disable_adapter(): the base layer alone
         return result
     return peft_lora_add(r, x, result, prefix, path, fan_out)
