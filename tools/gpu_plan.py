@@ -43,10 +43,31 @@ MODES = ("check", "full")
 
 # Estimated seconds of one notebook on an H100, kernel start included: (check mode, full mode). Measured on an
 # H100 (torch 2.11, 2026-11-27) where a run finished: check mode four at a time (each slower than alone), full mode
-# alone. The rest come from each notebook's GPU sizes (tests/test_gpu_sizes.py) and the work they do: 03 sweeps 20
-# strategies of about seven fp32 steps each, 08 seven budgeted compiles, 09 two 300-step loss curves and its width
-# searches, 17 nine budgeted searches and a compiled speed ladder. A notebook new to the table gets
-# DEFAULT_ESTIMATE_S.
+# alone. The rest come from each notebook's GPU sizes (tests/test_gpu_sizes.py) and the work they do, below. A
+# notebook new to the table gets DEFAULT_ESTIMATE_S.
+# 03, 05, 08 and 09 in full mode, from the work left once issue 42 sized their GPU runs to show each effect rather
+# than fill the card (the 80 GB class had made them 210-290 s). Rates from the H100's own figures: fp32 matmuls at
+# ~50 TFLOP/s (TF32 off, as the course leaves it; 06's peak_matmul_gflops) and ~20 s of papermill, imports and CUDA
+# start (00's whole run took 36 s).
+# - 03 (80 GB class: 8 x 1024 tokens, width 1024, 12 blocks; was 32 sequences and 16 blocks): one fp32 forward is
+#   ~2.9 TFLOP, ~0.065 s with fp32 attention; section 3's 16 strategies (4 + 12 sequential) cost ~26 forwards each (a
+#   forward, a measured step and 6 timed ones, a step ~3.6 forwards with recomputation), ~420, and sections 1, 2 and 5
+#   ~100 more: ~34 s, + ~25 s start, plots and exercises: ~60 s (the same count at the old sizes, ~0.31 s a forward,
+#   gave the old 210 s).
+# - 05: 99 s measured on the H100 before section 1's transformer came. max-autotune, now off on a GPU (two GEMM shapes,
+#   ~20 Triton configurations each compiled and benchmarked, coordinate descent, CUDA graphs), was ~30 s of it: what
+#   the 99 s leaves after the start, eight default compiles of ~4 s (the training step's measured 4.5 s) and ~15 s of
+#   profiling, Dynamo-only tracing and timing. The transformer adds two Inductor compiles (the 4-block model's forward
+#   and backward, AdamW's step over its 54 tensors), ~8 s each, and 44 steps of ~10 ms: 99 - 30 + 17 = ~85 s.
+# - 08 (4 blocks on every device, 4 x 1024 tokens of width 1024; the two ends of the budget curve timed, not four):
+#   seven aot_eager traces of the step, one per budget, ~2.5 s each (3.5-5.5 s measured on a loaded 2-core CPU), ~18 s;
+#   two Inductor compiles of it, ~12 s each, ~25 s; ~130 steps of ~0.05 s, ~7 s; sections 3 and 4 (~1 GB of
+#   save_on_cpu copies, the 128k-vocabulary losses) ~5 s; the exercises, on the CPU, ~3 s; + ~20 s start: ~80 s.
+# - 09 (a 24 GB card's sizes on larger ones, width 1024 and 4096 tokens in the vocabulary, not 2048 and 16384; 100
+#   steps a loss curve on a GPU, not 300; section 5's searches under 4 GiB, not 16): 3 x 100 steps (LoRA ~45 ms, AdamW
+#   ~65, the plain-torch 8-bit AdamW ~110 with its ~4,000 small kernels), ~22 s; sections 1-4's tracked steps and the
+#   rank table ~8 s; section 5's timed steps and probes ~8 s and five searches of ~12 tries each (a model built and
+#   trained two steps, ~0.3 s a try), ~20 s; + ~25 s start with peft and transformers: ~85 s.
 # 12, 16 and 17 in full mode, from the work they now do (issue 42; none has filed a full run yet). 12: on one GPU its
 # ranks run on the CPU with gloo (an NCCL rank needs a GPU of its own), so a 2-rank and a 4-rank torchrun launch, each
 # process importing torch (~5 s a launch on a many-core host), the one-rank runs in the kernel and the calculator's
@@ -56,8 +77,8 @@ MODES = ("check", "full")
 # of 512-token rows, each well under a second), three Inductor compiles (the recipe's loop, the compiled rung, the
 # larger batch; the fused rung's graph comes from the cache), ~15 s each, and the Llama's searches under 512 MiB: ~90 s.
 ESTIMATE_S: dict[str, tuple[int, int]] = {
-    "00": (25, 40), "01": (25, 45), "02": (25, 45), "03": (30, 210), "04": (30, 45), "05": (40, 110),
-    "06": (45, 60), "07": (30, 35), "08": (35, 215), "09": (50, 290), "10": (40, 60), "11": (40, 70),
+    "00": (25, 40), "01": (25, 45), "02": (25, 45), "03": (30, 60), "04": (30, 45), "05": (40, 85),
+    "06": (45, 60), "07": (30, 35), "08": (35, 80), "09": (50, 85), "10": (40, 60), "11": (40, 70),
     "12": (55, 50), "13": (45, 90), "14": (35, 60), "15": (45, 80), "16": (45, 60), "17": (60, 90),
 }
 DEFAULT_ESTIMATE_S = (30, 120)
