@@ -28,8 +28,11 @@ $(INSTALLED): requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $@
 
+# PYTHONDONTWRITEBYTECODE (set on some images) is cleared for the tests: every worker, notebook kernel and rank would
+# otherwise recompile the course's modules and pytest would rewrite every test module's asserts again (~7 CPU-s per
+# worker, ~1 s per process that imports utils); the .pyc files go to __pycache__/ (ignored).
 check: $(INSTALLED)  ## create .venv, install, run every test (notebooks in check mode, in parallel)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=20 -p no:nbval
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=20 -p no:nbval
 
 test: check  ## same as check
 
@@ -46,7 +49,10 @@ clean:  ## remove build/ and caches (keeps .venv; `rm -rf .venv` to reinstall)
 	rm -rf build .pytest_cache
 	find . -name __pycache__ -not -path './.venv/*' -prune -exec rm -rf {} +
 
-.PHONY: book results
+.PHONY: book results bench-check
+
+bench-check: $(INSTALLED)  ## time make check's tests: wall, CPU, each notebook's check-mode CPU seconds (reported only)
+	PYTHONDONTWRITEBYTECODE= $(PY) tools/bench_check.py
 
 book: $(INSTALLED)  ## build the offline book in build/book/ from make run's notebooks (runs missing/stale ones first)
 	$(PY) tools/build_book.py

@@ -24,7 +24,6 @@ from torch.utils.checkpoint import checkpoint
 
 import utils
 from fake_cuda import LARGE_BUFFER, MIB, SMALL_BUFFER, FakeCuda, cublas_workspace_bytes, round_size, segment_size
-from utils import distributed
 from utils.memory_by_category import _by_category
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="runs the fake's rules on a real GPU")
@@ -417,10 +416,11 @@ def test_launch_picks_nccl_only_with_a_gpu_per_rank(make_fake, monkeypatch, tmp_
         raise _Launched
 
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
-    args = distributed.build_parser().parse_args(["--strategy", "ddp", "--out", str(tmp_path), "--device", device_arg])
+    args = utils.distributed.build_parser().parse_args(["--strategy", "ddp", "--out", str(tmp_path),
+                                                        "--device", device_arg])
     local_rank = 2 if device == "cuda:2" else 0
     with pytest.raises(_Launched):
-        distributed._run(args, rank=local_rank, world_size=world_size, local_rank=local_rank)
+        utils.distributed._run(args, rank=local_rank, world_size=world_size, local_rank=local_rank)
     assert chosen["backend"] == backend and chosen["timeout"].total_seconds() == args.timeout_s
     if backend == "nccl":
         assert [args for args, _ in fake.called("set_device")] == [(torch.device(device),)]
@@ -431,9 +431,10 @@ def test_launch_picks_nccl_only_with_a_gpu_per_rank(make_fake, monkeypatch, tmp_
 
 def test_launch_on_cuda_with_too_few_gpus_says_so(make_fake, tmp_path):
     make_fake(device_count=1)
-    args = distributed.build_parser().parse_args(["--strategy", "ddp", "--out", str(tmp_path), "--device", "cuda"])
+    args = utils.distributed.build_parser().parse_args(["--strategy", "ddp", "--out", str(tmp_path),
+                                                        "--device", "cuda"])
     with pytest.raises(RuntimeError, match="needs 2 GPUs.*found 1"):
-        distributed._run(args, rank=0, world_size=2, local_rank=0)
+        utils.distributed._run(args, rank=0, world_size=2, local_rank=0)
 
 
 def test_live_bytes_and_barrier_bytes_read_the_allocator(fake, monkeypatch):
@@ -442,16 +443,16 @@ def test_live_bytes_and_barrier_bytes_read_the_allocator(fake, monkeypatch):
     region = utils.measure_memory("cuda", phase="setup")
     with region:
         block = fake.alloc(3000)
-        assert distributed._live_bytes(region) == round_size(3000)
+        assert utils.distributed._live_bytes(region) == round_size(3000)
     kept: list = []
 
     def barrier_that_keeps_its_tensor():          # torch 2.11's process group: the last barrier's byte stays
         kept[:] = [fake.alloc(1)]
 
     monkeypatch.setattr(dist, "barrier", barrier_that_keeps_its_tensor)
-    assert distributed.barrier_retained_bytes(torch.device("cuda", 0)) == 512
+    assert utils.distributed.barrier_retained_bytes(torch.device("cuda", 0)) == 512
     monkeypatch.setattr(dist, "barrier", lambda: fake.alloc(1))   # torch 2.13: freed on return
-    assert distributed.barrier_retained_bytes(torch.device("cuda", 0)) == 0
+    assert utils.distributed.barrier_retained_bytes(torch.device("cuda", 0)) == 0
     del block
 
 
