@@ -48,11 +48,11 @@ SHARED_FIXTURE_S = 3      # a module- or session-scoped fixture of ours: its tes
 
 
 def _expected_seconds(item: pytest.Item) -> float:
-    """A rough CPU cost: half a check-mode run's budget (the budgets are about twice the runs), else by marker."""
-    budgets = getattr(item.module, "CHECK_BUDGET_S", None)
+    """A rough CPU cost: a check-mode run's reference CPU seconds (tests/test_notebooks.py), else by marker."""
+    references = getattr(item.module, "REFERENCE_CHECK_CPU_S", None)
     callspec = getattr(item, "callspec", None)
-    if budgets and callspec and item.originalname == "test_notebook_runs_in_check_mode":
-        return budgets[Path(callspec.params["path"]).stem] / 2
+    if references and callspec and item.originalname == "test_notebook_runs_in_check_mode":
+        return references[Path(callspec.params["path"]).stem]
     return LONG_TEST_S if item.get_closest_marker("notebook") else SHORT_TEST_S
 
 

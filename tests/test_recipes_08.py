@@ -286,3 +286,49 @@ def test_section_4_is_sized_from_the_head_format_probe(monkeypatch, tmp_path, sl
     else:
         assert sizes == (256, 128, (32, 64, 128), 9) and "section 4 keeps its size" in printed.getvalue()
     assert "faked by PYTORCH_INTRO_FORMAT_SLOWDOWN" in printed.getvalue()
+
+
+# --- held-out models (issue 38's paste test): heads the Function cannot see from their weight -----------------------
+
+def test_a_head_with_a_bias_takes_the_utils_helper_as_the_text_says(recipe):
+    """An LSTM language model's decoder has a bias: the recipe given its weight alone computes another loss (the
+    paste test found 4.5732 against 4.5906), silently, since a weight cannot tell; the text names the case and
+    ``utils.chunked_cross_entropy(..., bias=)``, which gives F.cross_entropy's loss and gradients."""
+    from tests.recipe_models_heldout import RecurrentLM, left_padded
+    model = RecurrentLM()
+    input_ids, _, labels = left_padded()
+    hidden = model.hidden(input_ids)[:, :-1].flatten(0, 1).detach().requires_grad_()
+    targets = labels[:, 1:].flatten()
+    head = model.decoder
+    want = F.cross_entropy(head(hidden), targets)
+    with_bias = utils.chunked_cross_entropy(hidden, head.weight, targets, bias=head.bias, chunk_size=7)
+    for got, expected in zip(torch.autograd.grad(with_bias, (hidden, head.weight, head.bias)),
+                             torch.autograd.grad(want, (hidden, head.weight, head.bias))):
+        assert _relative(got, expected) < 1e-5
+    assert abs(with_bias.item() - want.item()) <= 1e-5 * want.item()
+    weight_only = recipe["ChunkedCrossEntropy"].apply(hidden, head.weight, targets, 7)
+    assert abs(weight_only.item() - want.item()) > 1e-3, "the bias must matter here, or the text's case is untested"
+    from tests.recipe_models import notebook_path
+    assert "bias=head.bias" in notebook_path("08").read_text(), "the text beside the recipe names the bias case"
+
+
+def test_gemma2s_soft_capped_logits_are_not_this_loss_as_the_text_says(recipe):
+    """Gemma-2 caps its logits after the head (``final_logit_softcapping``): the recipe on the head's weight equals
+    the model's own loss only without the cap; with it (the head's weight x 40, so that the cap bites) it does not,
+    which the text states beside the recipe (keep the model's own loss there)."""
+    pytest.importorskip("transformers")
+    from tests.recipe_models_heldout import left_padded, tiny_gemma2
+    input_ids, attention_mask, labels = left_padded()
+    losses = {}
+    for cap in (None, 3.0):
+        model = tiny_gemma2(final_logit_softcapping=cap, attn_implementation="eager")
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(40)
+        output = model(input_ids, attention_mask=attention_mask, labels=labels, output_hidden_states=True)
+        hidden = output.hidden_states[-1][:, :-1].flatten(0, 1)
+        chunked = recipe["ChunkedCrossEntropy"].apply(hidden, model.get_output_embeddings().weight,
+                                                      labels[:, 1:].flatten(), 5)
+        losses[cap] = abs(chunked.item() - output.loss.item()) / output.loss.item()
+    assert losses[None] < 1e-5 and losses[3.0] > 1e-2, losses
+    from tests.recipe_models import notebook_path
+    assert "final_logit_softcapping" in notebook_path("08").read_text(), "the text beside the recipe names the cap"

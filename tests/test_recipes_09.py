@@ -4,7 +4,8 @@ with biases and a tied head, GPT-2 with its ``Conv1D`` layers and dropout, a bf1
 fp32, as a bf16 base and under bf16 autocast over fp32 weights, with padded labels; an ``nn.Sequential``; a model with
 a fused qkv weight that forward ``.split``s (it reads the wrapped layer's ``.weight`` itself); an
 ``nn.TransformerEncoder`` classifier with a padding mask, trained and then evaluated (its ``eval()`` fast path reads
-``linear1.weight``); and models with nothing to adapt.
+``linear1.weight``); models with nothing to adapt; and held-out models (``recipe_models_heldout``) whose adapted
+head is tied to the input embedding (BERT's masked-LM decoder, a reader's frozen tied ``out``).
 
 Each run asserts the notebook's claims: the adapted model starts as the base model; only the adapters train, and
 they number ``r · (in + out)`` per wrapped layer; a gradient step changes the output; merged, it computes what the
@@ -186,3 +187,35 @@ def test_bad_ranks_raise(recipe):
     for rank in (0, 7, 2.0):
         with pytest.raises(ValueError, match="rank must be an int"):
             recipe["LoRALinear"](nn.Linear(8, 6), rank)
+
+
+@pytest.mark.parametrize("family", ["bert masked LM", "frozen tied LM"])
+def test_merging_a_head_tied_to_the_embedding_leaves_the_embedding_alone(recipe, family):
+    """Held-out models (issue 38's paste test): a head that is the input embedding's matrix under another name than
+    `skip`'s (BERT's `cls.predictions.decoder`, a reader's frozen `out`) is adapted; merging used to copy W + BA into
+    that shared matrix, changing the embedding too: the merged logits were 11.5 (BERT) and 20.6 (the reader's LM) from
+    the adapted model's. Merged, the model computes what the adapted one computes, and the embedding is unchanged."""
+    from tests.recipe_models_heldout import FrozenTiedLM, left_padded, tiny_bert_mlm
+    model = tiny_bert_mlm() if family == "bert masked LM" else FrozenTiedLM()
+    embedding = model.get_input_embeddings().weight if family == "bert masked LM" else model.embed.weight
+    head = model.cls.predictions.decoder if family == "bert masked LM" else model.out
+    assert head.weight is embedding
+    original = embedding.detach().clone()
+    input_ids, attention_mask, _ = left_padded()
+    inputs = {"input_ids": input_ids} | ({"attention_mask": attention_mask} if family == "bert masked LM" else {})
+    def logits() -> torch.Tensor:
+        output = model(**inputs)
+        return output.logits if family == "bert masked LM" else output
+    recipe["add_lora"](model, RANK)
+    assert isinstance(head, nn.Linear) and any(m.base is head for m in model.modules()
+                                               if isinstance(m, recipe["LoRALinear"]))
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, recipe["LoRALinear"]):
+                module.B.normal_(0, 0.5)                     # as after training
+        model.eval()
+        adapted = logits()
+        recipe["merge_lora"](model)
+        merged = logits()
+    assert torch.equal(embedding, original), "merging changed the input embedding"
+    assert (merged - adapted).abs().max().item() <= 1e-4 * adapted.abs().max().item()

@@ -9,6 +9,9 @@ own logits; documents from a reader's DataLoader (``padded_dict_batches``) and o
 one row with ``pack`` (given the window) and attended with ``masked_attention``'s document mask inside each model,
 get the logits each gets alone (within bf16's rounding on the Mistral, where forgetting the window moves them far
 more); the window itself against a loop over the queries; a window that is not a positive int is refused.
+Held-out models (``recipe_models_heldout``: OPT, Gemma-2, Phi-3, GPT-NeoX) go through ``for_transformers``, which
+hands each layer its own scale and window: it gives each model's own logits, alone and packed, and refuses by name
+what the functions do not compute (soft-capped scores, attention dropout in training, a bidirectional encoder).
 Cases that do not apply: an ``nn.Sequential`` has no attention; a fused qkv weight is split before attention,
 so the functions see ordinary q, k, v (the course's own ``TransformerBlock`` is that case in the notebook).
 """
@@ -149,3 +152,69 @@ def test_a_window_that_is_not_a_positive_int_is_refused(recipe, window):
             recipe[function](q, q, q, window=window)
     with pytest.raises(ValueError, match="window must be a positive int"):
         recipe["document_mask"]([2, 2], 4, q.device, window)
+
+
+# --- held-out models (issue 38's paste test): families the tests above do not name ---------------------------------
+# OPT scales q itself and passes scaling=1.0; Gemma-2 scales by query_pre_attn_scalar (1/4 here, the head size is 8),
+# slides in layer 0 only (window 4, shorter than the 20-token sequences) and soft-caps its scores; Phi-3 fuses qkv;
+# GPT-NeoX rotates half of each head. Their q and k projections are scaled by 4 so that a wrong scale shows.
+
+def _held_out(name: str, attn_implementation: str):
+    pytest.importorskip("transformers")
+    from recipe_models_heldout import HELD_OUT_CAUSAL_LMS
+    fields = {"attn_logit_softcapping": None} if name == "gemma2" else {}      # the cap is refused: see below
+    model = HELD_OUT_CAUSAL_LMS[name][0](attn_implementation=attn_implementation, **fields).eval()
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            if "q_proj" in parameter_name or "k_proj" in parameter_name or "query_key_value" in parameter_name:
+                parameter.mul_(4)
+    return model
+
+
+@pytest.mark.parametrize("name", ["opt", "gemma2", "phi3", "gpt-neox"])
+def test_for_transformers_hands_each_layer_its_scale_and_window(recipe, name):
+    """The recipe's attention behind ``for_transformers`` gives the model's own (eager) logits, alone and packed (the
+    mask built without a window, each layer narrowing it to its own); on OPT, SDPA's default scale instead of the
+    layer's misses by far more than fp32's rounding (it moved the logits by 1.1e-2, 2% of the largest, when the paste
+    test found it), and on Gemma-2 so does one window for every layer (0.33)."""
+    from transformers import AttentionInterface
+    AttentionInterface.register("course_attend", recipe["for_transformers"](recipe["sdpa_attention"]))
+    current = {}
+    AttentionInterface.register("course_packed_attend", recipe["for_transformers"](
+        lambda q, k, v, window, scale: recipe["masked_attention"](current["mask"])(q, k, v, window, scale)))
+    ids = torch.randint(3, 96, (2, 20), generator=torch.Generator().manual_seed(1))
+    documents = [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 11, 9)]
+    eager = _held_out(name, "eager")
+    theirs = eager(ids).logits
+    assert (_held_out(name, "course_attend")(ids).logits - theirs).abs().max().item() <= 1e-5
+    tokens, positions, _, current["mask"] = recipe["pack"](documents)
+    alone = torch.cat([eager(d[None]).logits[0] for d in documents])
+    packed = _held_out(name, "course_packed_attend")
+    assert (packed(tokens, position_ids=positions[None]).logits[0] - alone).abs().max().item() <= 1e-5
+    if name == "opt":
+        _register("course_default_scale", lambda q, k, v, window: recipe["sdpa_attention"](q, k, v, window=window))
+        forgetful = _held_out(name, "course_default_scale")(ids).logits
+        assert (forgetful - theirs).abs().max().item() > 1e-3, "the scale must matter here"
+    if name == "gemma2":
+        current["mask"] = recipe["pack"](documents, window=eager.config.sliding_window)[3]   # every layer's
+        forgetful = packed(tokens, position_ids=positions[None]).logits[0]
+        assert (forgetful - alone).abs().max().item() > 1e-3, "the global layer must see past the window here"
+
+
+def test_for_transformers_refuses_what_the_recipe_does_not_compute(recipe):
+    """Gemma-2's soft-capped scores, attention dropout in training, and a bidirectional encoder (BERT) are refused
+    with a message that names the case, not computed as plain causal SDPA."""
+    pytest.importorskip("transformers")
+    from recipe_models_heldout import tiny_gemma2, tiny_opt
+    from transformers import AttentionInterface, BertConfig, BertModel
+    AttentionInterface.register("course_attend", recipe["for_transformers"](recipe["sdpa_attention"]))
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="soft-caps its attention scores"):
+        tiny_gemma2(attn_implementation="course_attend")(ids)
+    with pytest.raises(ValueError, match="drops attention weights"):
+        tiny_opt(attn_implementation="course_attend", attention_dropout=0.1).train()(ids)
+    tiny_opt(attn_implementation="course_attend", attention_dropout=0.1).eval()(ids)       # eval: no dropout
+    encoder = BertModel(BertConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, attn_implementation="course_attend")).eval()
+    with pytest.raises(ValueError, match="bidirectional"):
+        encoder(ids)

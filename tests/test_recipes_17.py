@@ -335,3 +335,27 @@ def test_a_slow_16_bit_format_cuts_the_sections_that_train_in_it(monkeypatch, tm
                          "BUDGET_MIB": 48, "LLAMA_BUDGET_MIB": 48, "SMALL_BATCH": 32}, sizes
         assert "nothing cut" in printed.getvalue()
     assert namespace["BUDGET_BYTES"] == sizes["BUDGET_MIB"] * 2**20
+
+
+# --- held-out models (issue 38's paste test): families the tests above do not name ---------------------------------
+
+@pytest.mark.parametrize("family", ["opt", "gemma2", "phi3", "gpt-neox"])
+def test_held_out_decoders_refuse_the_cache_by_name_then_step_like_the_plain_model(recipe, family) -> None:
+    """A transformers decoder as its config builds it (use_cache=True) used to fail in backward with 'The size of
+    tensor a (24) must match the size of tensor b (12)', the cache written again by the recomputation; it is refused
+    by name. With use_cache=False the step's gradient is the plain model's, on a left-padded batch whose row 2 has
+    only -100 labels, 5 rows in 3 pieces (2, 2 and 1)."""
+    from tests.recipe_models_heldout import HELD_OUT_CAUSAL_LMS, left_padded
+    builder, blocks = HELD_OUT_CAUSAL_LMS[family]
+    with pytest.raises(ValueError, match="use_cache = False"):
+        recipe["build_recipe"](builder, checkpointed=True, blocks=blocks)
+    input_ids, attention_mask, labels = left_padded()
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    plain = builder()
+    plain(**inputs, labels=labels).loss.backward()
+    model, _ = recipe["build_recipe"](lambda: _configured(builder()), checkpointed=True, blocks=blocks)
+    options = {"loss_sum": lambda outputs, labels: recipe["token_loss_sum"](outputs.logits[:, :-1], labels[:, 1:]),
+               "count": lambda labels: recipe["count_targets"](labels[:, 1:])}
+    gradient = _gradient_seen_by_optimizer(model, lambda probe: recipe["train_step"](
+        model, probe, recipe["make_scaler"](torch.float32), inputs, labels, PIECES, torch.float32, **options))
+    assert _relative(gradient, _flat_grad(plain)) < labels.numel() * torch.finfo(torch.float32).eps

@@ -36,3 +36,21 @@ def test_effect_is_on_the_bands_scale_both_ways():
     assert abs(faster.effect - 0.25) < 1e-12 and abs(slower.effect - 0.25) < 1e-12
     assert not Comparison(ratio=1.05, noise=0.3, verdict="within noise", repeats=5).too_small_to_judge  # not check
     assert Comparison(ratio=1.05, noise=0.3, verdict="within noise", repeats=5, check_mode=True).too_small_to_judge
+
+
+def test_time_interleaved_calls_round_robin_and_refuses_bad_input():
+    """Each round calls every function once, in order, so a drift of the machine lands on every series alike."""
+    import pytest
+
+    import utils
+
+    calls = []
+    timings = utils.time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, "cpu",
+                                     warmup=1, repeats=3)
+    assert calls == ["a", "b"] * 4
+    assert [len(t.samples_ms) for t in timings.values()] == [3, 3] and timings["a"].warmup == 1
+    for bad in ({}, {"a": 1}, [lambda: None]):
+        with pytest.raises(TypeError, match="non-empty dict"):
+            utils.time_interleaved(bad, "cpu")
+    with pytest.raises(ValueError, match="repeats"):
+        utils.time_interleaved({"a": lambda: None}, "cpu", repeats=0)

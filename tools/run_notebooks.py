@@ -246,6 +246,10 @@ def main(argv: list[str]) -> int:
         print(exc, file=sys.stderr)
         return 2
     device = describe_device()
+    # Inductor's compiled kernels go to a cache of this build's own (unless the reader chose one): a shared cache in
+    # /tmp holds code built for whatever CPU capability another run asked for (ATEN_CPU_CAPABILITY=avx2 emulates a
+    # CPU without AVX-512), and one such stale entry crashed 08's kernel with a segmentation fault.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(build / "inductor_cache"))
     print(f"{'check' if check else 'full'} mode on {device['name']}, into {build}", flush=True)
     outcomes = []
     started = time.perf_counter()

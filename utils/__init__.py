@@ -48,6 +48,7 @@ _EXPORTS: dict[str, str] = {
     "Results": "results", "load_results": "results",
     "expected_overhead": "state", "simulate_preemptions": "state", "young_daly_interval": "state",
     "Comparison": "timing", "Timing": "timing", "compare": "timing", "speedup": "timing", "time_fn": "timing",
+    "time_interleaved": "timing",
     "MemoryBreakdown": "calculator", "ModelConfig": "calculator", "TrainingSetup": "calculator",
 }
 

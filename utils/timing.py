@@ -116,6 +116,46 @@ def time_fn(fn: Callable[[], object], device: torch.device | str, *, warmup: int
     return Timing(device=device_name(device), samples_ms=tuple(samples), warmup=warmup)
 
 
+def time_interleaved(fns: dict[str, Callable[[], object]], device: torch.device | str, *, warmup: int = 2,
+                     repeats: int = 10) -> dict[str, Timing]:
+    """Time several functions round-robin: repeat 1 of each, then repeat 2 of each, and so on.
+
+    Why: a machine's speed drifts (another process starts, the clock throttles, two threads share a core with a
+    neighbour). Timed one series after another, the drift lands on one series and reads as "faster" or "slower";
+    each series' own spread cannot see it. Interleaved, every series meets the same drift, so the ratio of their
+    medians (``compare``) holds on a loaded machine too. Introduced in notebook 00; used wherever a notebook
+    compares settings' step times.
+
+    Args:
+        fns: name -> a function of no arguments, in the order to call them.
+        device: where the work runs (as ``time_fn``: CUDA events on CUDA, ``time.perf_counter`` on the CPU).
+        warmup: untimed rounds first (>= 0): each function called this many times.
+        repeats: timed rounds (>= 1).
+
+    Returns:
+        name -> ``Timing``, each with ``repeats`` samples.
+
+    Example:
+        >>> timings = time_interleaved({"eager": eager_step, "compiled": compiled_step}, "cpu", repeats=9)
+        >>> compare(timings["eager"], timings["compiled"]).sentence("compiled", "eager")
+    """
+    if not isinstance(fns, dict) or not fns or not all(callable(fn) for fn in fns.values()):
+        raise TypeError(f"fns must be a non-empty dict of name -> function of no arguments, got {fns!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name].extend(time_fn(fn, device, warmup=0, repeats=1).samples_ms)
+    return {name: Timing(device=device_name(torch.device(device)), samples_ms=tuple(times), warmup=warmup)
+            for name, times in samples.items()}
+
+
 def speedup(baseline: Timing, candidate: Timing) -> float:
     """How many times faster ``candidate`` is than ``baseline`` (ratio of medians, > 1 is faster).
 

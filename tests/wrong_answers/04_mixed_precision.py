@@ -123,6 +123,17 @@ def classify(value, dtype):
         return "underflow"
     return "subnormal" if value < info.tiny - sub / 2 else "normal"
 ''',
+        "overflow from max * (1 + eps / 4): half a step measured from max, not from the power of two above it": '''
+def classify(value, dtype):
+    info = torch.finfo(dtype)
+    smallest_subnormal = info.tiny * info.eps
+    top = 2.0 ** (math.floor(math.log2(info.max)) + 1)
+    if value >= info.max * (1 + info.eps / 4):
+        return "overflow"
+    if value <= smallest_subnormal / 2:
+        return "underflow"
+    return "subnormal" if value < info.tiny - smallest_subnormal / 2 else "normal"
+''',
     },
     "exercise_2": {
         "divides each micro-batch's loss by the number of micro-batches: wrong for uneven ones": '''
@@ -308,6 +319,37 @@ def accumulated_scaled_step(model, optimizer, scaler, micro_batches, max_norm):
     optimizer.zero_grad(set_to_none=True)
     for p in model.parameters():
         p.data = p.data.to(torch.float32, copy=True)
+    return norm
+''',
+        "the loss outside autocast: cross-entropy runs in fp16 on the fp16 logits": '''
+def accumulated_scaled_step(model, optimizer, scaler, micro_batches, max_norm):
+    total_rows = sum(len(labels) for _, labels in micro_batches)
+    for inputs, labels in micro_batches:
+        with torch.autocast(DEVICE.type, dtype=torch.float16):
+            logits = model(inputs)
+        loss = nn.functional.cross_entropy(logits, labels)
+        scaler.scale(loss * len(labels) / total_rows).backward()
+    scaler.unscale_(optimizer)
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+''',
+        "one backward of the summed scaled losses: every micro-batch's graph kept until the end": '''
+def accumulated_scaled_step(model, optimizer, scaler, micro_batches, max_norm):
+    total_rows = sum(len(labels) for _, labels in micro_batches)
+    scaled = []
+    for inputs, labels in micro_batches:
+        with torch.autocast(DEVICE.type, dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(inputs), labels)
+        scaled.append(scaler.scale(loss * len(labels) / total_rows))
+    torch.stack(scaled).sum().backward()
+    scaler.unscale_(optimizer)
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
     return norm
 ''',
     },

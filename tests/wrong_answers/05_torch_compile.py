@@ -68,6 +68,13 @@ def leaky_fixed(x):
     y = x * 3
     return torch.nn.functional.leaky_relu(y.clamp(max=1.0))
 ''',
+        "blends the two branches arithmetically: NaN where the peak is 0 (0 / 0 times 0)": '''
+def leaky_fixed(x):
+    y = x * 3
+    peak = y.max()
+    divide = (peak > 1).to(y.dtype)
+    return torch.nn.functional.leaky_relu(y / peak * divide + y * (1 - divide))
+''',
     },
     "exercise_2": {
         "the default: static first, dynamic only after a second shape": '''
@@ -110,6 +117,16 @@ def compile_for_variable_shapes(model, backend):
 def compile_for_variable_shapes(model, backend):
     torch._dynamo.config.assume_static_by_default = False
     return torch.compile(model, backend=backend)
+''',
+        "dynamic=True, and caps Dynamo's global recompile limit at 1 to be sure": '''
+def compile_for_variable_shapes(model, backend):
+    torch._dynamo.config.recompile_limit = 1
+    return torch.compile(model, backend=backend, dynamic=True)
+''',
+        "compiles only the MLP, in place: the embedding runs eagerly and the model's state_dict keys change": '''
+def compile_for_variable_shapes(model, backend):
+    model.mlp = torch.compile(model.mlp, backend=backend, dynamic=True)
+    return model
 ''',
     },
 }

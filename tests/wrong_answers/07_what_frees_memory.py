@@ -83,6 +83,25 @@ def evaluate_fixed(eval_model, eval_batches):
             total_loss += mse_loss(eval_model(batch), batch_targets).item() * len(batch)
     return total_loss / sum(len(batch) for batch, _ in eval_batches)
 ''',
+        "eval() for the evaluation, then train() at the end whatever mode the model was in": '''
+def evaluate_fixed(eval_model, eval_batches):
+    eval_model.eval()
+    total_loss = 0.0
+    with torch.no_grad():
+        for batch, batch_targets in eval_batches:
+            total_loss += mse_loss(eval_model(batch), batch_targets).item()
+    eval_model.train()
+    return total_loss / len(eval_batches)
+''',
+        "freezes every parameter, then unfreezes every one: a parameter frozen before is left trainable": '''
+def evaluate_fixed(eval_model, eval_batches):
+    eval_model.requires_grad_(False)
+    total_loss = 0.0
+    for batch, batch_targets in eval_batches:
+        total_loss += mse_loss(eval_model(batch), batch_targets).item()
+    eval_model.requires_grad_(True)
+    return total_loss / len(eval_batches)
+''',
     },
 
     "exercise_2": {
@@ -146,6 +165,16 @@ def predict_forward_peak_bytes(batch, widths, inplace):
 def predict_forward_peak_bytes(batch, widths, inplace):
     H, L, C = widths[1], len(widths) - 2, widths[-1]
     return 4 * batch * (L * H + C if inplace else max(H * (L + 1), L * H + C))
+''',
+        "the peak only at the last ReLU or at the end of forward": '''
+def predict_forward_peak_bytes(batch, widths, inplace):
+    hidden = widths[1:-1]
+    end_of_forward = sum(hidden) + widths[-1]
+    if inplace:
+        candidates = [sum(hidden[:k + 1]) for k in range(len(hidden))]
+    else:
+        candidates = [sum(hidden) + hidden[-1]] if hidden else []
+    return 4 * batch * max(candidates + [end_of_forward])
 ''',
     },
 
@@ -233,6 +262,22 @@ def attach_clipped_sgd_in_backward(sgd_model, lr, momentum, max_norm):
         param.data = param.data - lr * velocity
         param.grad = None
     return [p.register_post_accumulate_grad_hook(clip_step_and_free) for p in sgd_model.parameters() if p.requires_grad]
+''',
+        "clips in each hook, but one SGD steps all parameters in the last hook: every gradient lives until the end": '''
+def attach_clipped_sgd_in_backward(sgd_model, lr, momentum, max_norm):
+    trainable = [p for p in sgd_model.parameters() if p.requires_grad]
+    sgd = torch.optim.SGD(trainable, lr=lr, momentum=momentum)
+    arrived = []
+
+    def clip_and_maybe_step(param):
+        nn.utils.clip_grad_norm_([param], max_norm)
+        arrived.append(param)
+        if len(arrived) == len(trainable):
+            sgd.step()
+            sgd.zero_grad(set_to_none=True)
+            arrived.clear()
+
+    return [p.register_post_accumulate_grad_hook(clip_and_maybe_step) for p in trainable]
 ''',
     },
 }

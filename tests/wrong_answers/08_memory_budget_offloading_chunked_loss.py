@@ -107,6 +107,66 @@ WRONG = {
             "            storage = base.untyped_storage()\n            if storage not in copies:\n"
             "                copies[storage] = base.to(torch.bfloat16)",
             "            return copies[base].as_strided(", "            return copies[storage].as_strided("),
+        "rebuilds a view with view(tensor.shape): right for a Linear's flattening, wrong for a slice or a transpose": '''
+def bf16_once_hooks(model):
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    copies = torch.utils.weak.WeakTensorKeyDictionary()
+
+    def pack(tensor):
+        if (tensor.dtype == torch.float32 and tensor.requires_grad
+                and tensor.untyped_storage().data_ptr() not in weights):
+            base = tensor if tensor._base is None else tensor._base
+            if base not in copies:
+                copies[base] = base.to(torch.bfloat16)
+            offset = tensor.storage_offset() - base.storage_offset()
+            return copies[base].view(tensor.shape), torch.float32
+        return tensor, None
+
+    def unpack(packed):
+        tensor, dtype = packed
+        return tensor if dtype is None else tensor.to(dtype)
+    return pack, unpack
+''',
+        "as_strided without the view's offset into its base": '''
+def bf16_once_hooks(model):
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    copies = torch.utils.weak.WeakTensorKeyDictionary()
+
+    def pack(tensor):
+        if (tensor.dtype == torch.float32 and tensor.requires_grad
+                and tensor.untyped_storage().data_ptr() not in weights):
+            base = tensor if tensor._base is None else tensor._base
+            if base not in copies:
+                copies[base] = base.to(torch.bfloat16)
+            offset = tensor.storage_offset() - base.storage_offset()
+            return copies[base].as_strided(tensor.shape, tensor.stride()), torch.float32
+        return tensor, None
+
+    def unpack(packed):
+        tensor, dtype = packed
+        return tensor if dtype is None else tensor.to(dtype)
+    return pack, unpack
+''',
+        "unpack turns every saved tensor into float32, integer indices and bf16 tensors included": '''
+def bf16_once_hooks(model):
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    copies = torch.utils.weak.WeakTensorKeyDictionary()
+
+    def pack(tensor):
+        if (tensor.dtype == torch.float32 and tensor.requires_grad
+                and tensor.untyped_storage().data_ptr() not in weights):
+            base = tensor if tensor._base is None else tensor._base
+            if base not in copies:
+                copies[base] = base.to(torch.bfloat16)
+            offset = tensor.storage_offset() - base.storage_offset()
+            return copies[base].as_strided(tensor.shape, tensor.stride(), offset), torch.float32
+        return tensor, None
+
+    def unpack(packed):
+        tensor, dtype = packed
+        return tensor.float()
+    return pack, unpack
+''',
     },
     "exercise_2": {
         "the log-sum-exp of each chunk summed, not log-sum-exp'd: lse of the whole vocabulary is wrong": _vocab(
@@ -143,5 +203,56 @@ WRONG = {
             "        ctx.save_for_backward(hidden, weight, targets, lse, F.linear(hidden, weight).float())",
             "        (hidden, weight, targets, lse), size = ctx.saved_tensors, ctx.chunk_size",
             "        (hidden, weight, targets, lse, _), size = ctx.saved_tensors, ctx.chunk_size"),
+        "ignores grad_loss: right only when nothing scales the loss (no GradScaler, no accumulation divisor)": '''
+class VocabChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size):
+        lse = torch.stack([F.linear(hidden, rows).float().logsumexp(dim=-1)
+                           for rows in weight.split(chunk_size)]).logsumexp(dim=0)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk_size, ctx.count = chunk_size, (targets != -100).sum()
+        picked = (hidden.float() * weight[targets.clamp(min=0)].float()).sum(dim=-1)
+        return ((lse - picked) * (targets != -100)).sum() / ctx.count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (hidden, weight, targets, lse), size = ctx.saved_tensors, ctx.chunk_size
+        scale = ((targets != -100) / ctx.count)[:, None]
+        grad_hidden, grad_weight = torch.zeros(hidden.shape, device=hidden.device), torch.empty_like(weight)
+        for start, rows, grad_rows in zip(range(0, len(weight), size), weight.split(size), grad_weight.split(size)):
+            probs = (F.linear(hidden, rows).float() - lse[:, None]).exp_().mul_(scale)
+            inside = (targets >= start) & (targets < start + len(rows))
+            probs[inside, targets[inside] - start] -= scale[inside, 0]
+            grad_hidden.addmm_(probs, rows.float())
+            grad_rows.copy_(probs.T @ hidden.float())
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None
+''',
+        "sets the padding targets to 0 in place, in the caller's tensor": '''
+class VocabChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size):
+        lse = torch.stack([F.linear(hidden, rows).float().logsumexp(dim=-1)
+                           for rows in weight.split(chunk_size)]).logsumexp(dim=0)
+        real = targets != -100
+        ctx.count = real.sum()
+        targets[~real] = 0
+        ctx.save_for_backward(hidden, weight, targets, lse, real)
+        ctx.chunk_size = chunk_size
+        picked = (hidden.float() * weight[targets].float()).sum(dim=-1)
+        return ((lse - picked) * real).sum() / ctx.count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (hidden, weight, targets, lse, real), size = ctx.saved_tensors, ctx.chunk_size
+        scale = (real * (grad_loss / ctx.count))[:, None]
+        grad_hidden, grad_weight = torch.zeros(hidden.shape, device=hidden.device), torch.empty_like(weight)
+        for start, rows, grad_rows in zip(range(0, len(weight), size), weight.split(size), grad_weight.split(size)):
+            probs = (F.linear(hidden, rows).float() - lse[:, None]).exp_().mul_(scale)
+            inside = real & (targets >= start) & (targets < start + len(rows))
+            probs[inside, targets[inside] - start] -= scale[inside, 0]
+            grad_hidden.addmm_(probs, rows.float())
+            grad_rows.copy_(probs.T @ hidden.float())
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None
+''',
     },
 }

@@ -142,6 +142,22 @@ class LoRAEmbedding(nn.Module):
         self.B = nn.Parameter(torch.randn(base.embedding_dim, rank, device=base.weight.device))
         self.scale = alpha / rank
 ''' + _EMBEDDING_FORWARD,
+        "A and B made on the default device, not the table's: a CUDA table's forward fails": '''
+class LoRAEmbedding(nn.Module):
+    def __init__(self, base, rank, alpha=16.0):
+        super().__init__()
+        largest = min(base.num_embeddings, base.embedding_dim)
+        if not isinstance(rank, int) or not 0 < rank <= largest:
+            raise ValueError(f"rank must be an int in 1..{largest}, got {rank!r}")
+        self.base = base.requires_grad_(False)
+        device = torch.device('cpu')
+        self.A = nn.Parameter(torch.zeros(rank, base.num_embeddings, device=device))
+        self.B = nn.Parameter(torch.randn(base.embedding_dim, rank, device=device))
+        self.scale = alpha / rank
+
+    def forward(self, ids):
+        return self.base(ids) + F.embedding(ids, self.A.T) @ self.B.T * self.scale
+''',
     },
     "exercise_2": {
         "fp32 AdamW's 8 bytes per element instead of the 8-bit codes and scales": _lora8(
@@ -171,5 +187,27 @@ class LoRAEmbedding(nn.Module):
         "asks utils.predict_optimizer_state_bytes for the state (the exercise forbids it)": _lora8(
             "total += 2 * numel + 2 * 4 * math.ceil(numel / block_size)",
             "total += utils.predict_optimizer_state_bytes([(numel,)], 'adamw8bit', block_size=block_size)"),
+        "skips every Linear whose path contains 'head' (a substring test)": '''
+def lora_8bit_training_bytes(model, rank, block_size=256):
+    total = 0
+    for name, linear in model.named_modules():
+        if isinstance(linear, nn.Linear) and "head" not in name:
+            size = linear.weight.element_size()
+            for numel in (rank * linear.in_features, linear.out_features * rank):
+                total += 2 * size * numel
+                total += 2 * numel + 2 * 4 * math.ceil(numel / block_size)
+    return total
+''',
+        "compares the full dotted name with 'head': a nested head is counted": '''
+def lora_8bit_training_bytes(model, rank, block_size=256):
+    total = 0
+    for name, linear in model.named_modules():
+        if isinstance(linear, nn.Linear) and name not in ("head", "lm_head"):
+            size = linear.weight.element_size()
+            for numel in (rank * linear.in_features, linear.out_features * rank):
+                total += 2 * size * numel
+                total += 2 * numel + 2 * 4 * math.ceil(numel / block_size)
+    return total
+''',
     },
 }

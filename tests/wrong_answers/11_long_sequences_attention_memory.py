@@ -139,5 +139,12 @@ def predict_bf16_saved_bytes(batch, heads, seq_len, head_dim, kernel):
             "(document[:, None] == document[None, :])", "(document[:, None] >= document[None, :])"),
         "reads 1-D position ids only: the collator's (1, S) row is not flattened": _mask(
             "positions = position_ids.reshape(-1)", "positions = position_ids"),
+        "the causal part built on the CPU whatever the position ids' device": '''
+def mask_from_positions(position_ids, window=None):
+    positions = position_ids.reshape(-1)
+    document = (positions == 0).cumsum(dim=0)
+    allowed = (document[:, None] == document[None, :]) & causal_mask(len(positions), torch.device("cpu"), window)
+    return torch.zeros(allowed.shape, device=positions.device).masked_fill(~allowed, float("-inf"))
+''',
     },
 }

@@ -137,6 +137,48 @@ def zero1_optimizers(models):
     return [torch.optim.AdamW([dict(model.named_parameters())[n] for n in share], lr=LEARNING_RATE, weight_decay=0.0,
                               foreach=False) for model, share in zip(models, shares)]
 ''' + _UPDATE,
+        "greedy to the least-loaded rank in the model's order, not largest first": '''
+def zero1_optimizers(models):
+    sizes = {name: p.numel() for name, p in models[0].named_parameters()}
+    shares, loads = [[] for _ in models], [0] * len(models)
+    for name in sizes:
+        rank = loads.index(min(loads))
+        shares[rank].append(name)
+        loads[rank] += sizes[name]
+    return [torch.optim.AdamW([dict(model.named_parameters())[n] for n in share], lr=LEARNING_RATE, foreach=False)
+            for model, share in zip(models, shares)]
+
+def zero1_update(models, optimizers):
+    for optimizer in optimizers:
+        optimizer.step()
+    for rank, optimizer in enumerate(optimizers):
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for mine, *replicas in zip(models[rank].parameters(), *(m.parameters() for m in models)):
+            if id(mine) in owned:
+                for replica in replicas:
+                    replica.data.copy_(mine.data)
+''',
+        'brings replicas up to date by rebinding .data to a clone (a new storage every step)': '''
+def zero1_optimizers(models):
+    sizes = {name: p.numel() for name, p in models[0].named_parameters()}
+    shares, loads = [[] for _ in models], [0] * len(models)
+    for name in sorted(sizes, key=sizes.get, reverse=True):
+        rank = loads.index(min(loads))
+        shares[rank].append(name)
+        loads[rank] += sizes[name]
+    return [torch.optim.AdamW([dict(model.named_parameters())[n] for n in share], lr=LEARNING_RATE, foreach=False)
+            for model, share in zip(models, shares)]
+
+def zero1_update(models, optimizers):
+    for optimizer in optimizers:
+        optimizer.step()
+    for rank, optimizer in enumerate(optimizers):
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for mine, *replicas in zip(models[rank].parameters(), *(m.parameters() for m in models)):
+            if id(mine) in owned:
+                for replica in replicas:
+                    replica.data = mine.data.clone()
+''',
     },
     "exercise_2": {
         "broadcasts from the last rank (the replicas agree, on rank 1's initial weights)": '''
@@ -222,6 +264,16 @@ def broadcast_from_rank0(models):
             if source.is_floating_point():
                 for replica in replicas:
                     replica.copy_(source)
+''',
+        'copies with requires_grad switched off, then switches it on for every parameter (a frozen one trains)': '''
+def broadcast_from_rank0(models):
+    for kind in (nn.Module.parameters, nn.Module.buffers):
+        for source, *replicas in zip(*(kind(model) for model in models)):
+            for replica in replicas:
+                replica.requires_grad_(False)
+                replica.copy_(source.detach())
+                if kind is nn.Module.parameters:
+                    replica.requires_grad_(True)
 ''',
     },
 }

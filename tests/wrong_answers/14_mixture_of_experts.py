@@ -69,5 +69,13 @@ WRONG = {
             _splits(after="    for r in range(world):\n        send[r][r] = 0\n        receive[r][r] = 0\n"),
         "send and receive returned the other way round":
             _splits(after="    send, receive = receive, send\n"),
+        'bincount without minlength: a rank that sends nothing to the last ranks gets a short list': '''
+def all_to_all_splits(routing, num_experts):
+    world = routing.shape[0]
+    destination = routing // (num_experts // world)
+    send = [torch.bincount(destination[r].flatten()).tolist() for r in range(world)]
+    receive = [[send[p][r] for p in range(world)] for r in range(world)]
+    return send, receive
+''',
     },
 }

@@ -70,6 +70,42 @@ WRONG = {
         "the static cache holds P + N tokens":
             _kv('        if kind != "sliding_attention":\n            tokens = held',
                 '        if kind != "sliding_attention":\n            tokens = held + (cache == "static")'),
+        "a static cache's sliding layer allocated the whole window, however short the sequence": '''
+def kv_cache_bytes(config, batch, prompt_length, new_tokens, generations=1, cache="dynamic", dtype=torch.float32):
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kinds = getattr(config, "layer_types", None) or config.num_hidden_layers * [
+        "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"]
+    held = prompt_length + new_tokens - 1
+    total = 0
+    for kind in kinds:
+        if kind != "sliding_attention":
+            tokens = held
+        elif cache == "static":
+            tokens = config.sliding_window
+        elif new_tokens > 1:
+            tokens = min(held, config.sliding_window)
+        else:
+            tokens = prompt_length
+        total += 2 * batch * generations * config.num_key_value_heads * tokens * head_dim * dtype.itemsize
+    return total
+''',
+        "a sliding layer caps P + N tokens at the window (the last token's -1 on full layers only)": '''
+def kv_cache_bytes(config, batch, prompt_length, new_tokens, generations=1, cache="dynamic", dtype=torch.float32):
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kinds = getattr(config, "layer_types", None) or config.num_hidden_layers * [
+        "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"]
+    held = prompt_length + new_tokens - 1
+    total = 0
+    for kind in kinds:
+        if kind != "sliding_attention":
+            tokens = held
+        elif cache == "static" or new_tokens > 1:
+            tokens = min(prompt_length + new_tokens, config.sliding_window)
+        else:
+            tokens = prompt_length
+        total += 2 * batch * generations * config.num_key_value_heads * tokens * head_dim * dtype.itemsize
+    return total
+''',
     },
     "exercise_2": {
         "computes the whole logits, then splits them: the (R, N, V) tensor exists":
@@ -97,5 +133,31 @@ WRONG = {
                      "zip(hidden.split(chunk, dim=1), targets.roll(-1, dims=1).split(chunk, dim=1))"),
         "detaches the hidden states: no gradient reaches the model below the head":
             _chunked("zip(hidden.split(chunk, dim=1)", "zip(hidden.detach().split(chunk, dim=1)"),
+        "torch.chunk's argument is a number of pieces, not positions per piece": '''
+from torch.utils.checkpoint import checkpoint
+
+
+def chunked_logprobs(hidden, head, targets, chunk):
+    def piece_logprobs(piece, chosen):
+        logits = head(piece).float()
+        return logits.gather(-1, chosen.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+    pieces = [checkpoint(piece_logprobs, piece, chosen, use_reentrant=False)
+              for piece, chosen in zip(hidden.chunk(chunk, dim=1), targets.chunk(chunk, dim=1))]
+    return torch.cat(pieces, dim=1)
+''',
+        'reentrant checkpointing (use_reentrant=True): no gradient for the head when the hidden states need none': '''
+from torch.utils.checkpoint import checkpoint
+
+
+def chunked_logprobs(hidden, head, targets, chunk):
+    def piece_logprobs(piece, chosen):
+        logits = head(piece).float()
+        return logits.gather(-1, chosen.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+    pieces = [checkpoint(piece_logprobs, piece, chosen, use_reentrant=True)
+              for piece, chosen in zip(hidden.split(chunk, dim=1), targets.split(chunk, dim=1))]
+    return torch.cat(pieces, dim=1)
+''',
     },
 }

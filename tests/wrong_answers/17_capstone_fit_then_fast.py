@@ -72,6 +72,35 @@ def llama_step(model, optimizer, scaler, inputs, labels):
     return train_step(model, optimizer, scaler, inputs, labels, micro_batches, AMP_DTYPE,
                       loss_sum=llama_loss_sum, count=llama_count)
 ''',
+        'its own loop through the scaler without scaler.update(): an overflow never lowers the scale': '''
+def llama_model_and_optimizer():
+    return build_recipe(build_llama, checkpointed=True, blocks=LLAMA_OPTIONS["blocks"])
+
+def llama_step(model, optimizer, scaler, inputs, labels):
+    pieces = math.ceil(len(labels) / llama_fits)
+    num_targets = llama_count(labels)
+    total = 0.0
+    for micro_inputs, micro_labels in zip(split_batch(inputs, pieces), split_batch(labels, pieces)):
+        with torch.autocast(DEVICE.type, dtype=AMP_DTYPE):
+            loss = llama_loss_sum(model(**micro_inputs), micro_labels) / num_targets
+        scaler.scale(loss).backward()
+        total += loss.item()
+    scaler.step(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    return total
+''',
+        "the model cast to bf16 instead of autocast (weights and AdamW's state in 16-bit)": '''
+def llama_model_and_optimizer():
+    model, _ = build_recipe(build_llama, checkpointed=True, blocks=LLAMA_OPTIONS["blocks"])
+    model.to(AMP_DTYPE)
+    return model, torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
+
+
+def llama_step(model, optimizer, scaler, inputs, labels):
+    micro_batches = math.ceil(len(labels) / llama_fits)
+    return train_step(model, optimizer, scaler, inputs, labels, micro_batches, torch.float32,
+                      loss_sum=llama_loss_sum, count=llama_count)
+''',
     },
     "exercise_2": {
         "keeps the last error to report it (its traceback holds the failed step's tensors)": '''
@@ -209,6 +238,37 @@ def find_executable_batch_size(step, model, start):
         gc.collect()
         size //= 2
     raise RuntimeError("nothing fits")
+''',
+        'no gc.collect() after a failure: tensors caught in reference cycles stay allocated': '''
+def find_executable_batch_size(step, model, start):
+    size = start
+    while size >= 1:
+        try:
+            step(size)
+            return size
+        except torch.OutOfMemoryError:
+            pass
+        model.zero_grad(set_to_none=True)
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+        size //= 2
+    raise RuntimeError(f"not even batch size 1 fits (started from {start})")
+''',
+        'zero_grad(set_to_none=False) after a failure: the next try starts with zero-filled gradients': '''
+def find_executable_batch_size(step, model, start):
+    size = start
+    while size >= 1:
+        try:
+            step(size)
+            return size
+        except torch.OutOfMemoryError:
+            pass
+        model.zero_grad(set_to_none=False)
+        gc.collect()
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+        size //= 2
+    raise RuntimeError(f"not even batch size 1 fits (started from {start})")
 ''',
     },
 }
