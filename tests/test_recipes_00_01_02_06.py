@@ -355,3 +355,24 @@ def test_01_section_6_cuts_its_bf16_step_where_the_probe_finds_bf16_slow_and_sti
     assert namespace["MIXED_ROWS"] == 8 < namespace["BATCH_SIZES"][0], "the step is cut, never below 8 rows"
     assert f"this section's step: 8 rows (cut from {namespace['BATCH_SIZES'][0]})" in printed.getvalue()
     assert "faked by PYTORCH_INTRO_FORMAT_SLOWDOWN" in printed.getvalue()
+
+
+def test_06_train_step_feeds_a_conv_net_its_images_as_they_come():
+    """A reader's conv net takes (B, 3, H, W) images: the profiled step hands them over unflattened (it flattened every
+    input of more than two dimensions for the notebook's MLP, and a conv net then crashed in conv2d)."""
+    from recipe_models import batchnorm_convnet
+
+    train_step = run_recipe("06")["train_step"]
+    model = batchnorm_convnet()
+    generator = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(4, 3, 8, 8, generator=generator), torch.randint(0, 5, (4,), generator=generator)
+    start = {key: value.clone() for key, value in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    nn.functional.cross_entropy(model(images), labels).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    expected = {key: value.clone() for key, value in model.state_dict().items()}
+    model.load_state_dict(start)
+    train_step(iter([(images, labels)]), model, optimizer)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[key], msg=key)
