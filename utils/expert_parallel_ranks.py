@@ -233,54 +233,11 @@ def run_rank(rank: int, world: int, config: ExpertParallelConfig, out: Path) -> 
 # --- the fork server and the command line -----------------------------------------------------------------------------
 
 def serve_ranks(world_size: int, out: Path | str, argv: Sequence[str]) -> int:
-    """The fork server: import what every rank needs once, fork ``world_size`` ranks, wait for them all.
-
-    Each child is told its rank as torchrun tells it (``RANK``, ``LOCAL_RANK``), writes its output to
-    ``<out>/rank<r>.log`` and runs ``main(argv)``. The first rank that fails is written to
-    ``<out>/failure.json`` and the others are killed at once. Returns 0 when every rank succeeded, else 1.
-    """
-    import signal
-    import sys
-    import traceback
-
-    import torch._dynamo  # noqa: F401  (FSDP2's first forward imports it: once here, not once per rank)
-    import torch.distributed.device_mesh  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
-
-    out = Path(out)
-    children: dict[int, int] = {}
-    sys.stdout.flush()
-    sys.stderr.flush()
-    for rank in range(world_size):
-        pid = os.fork()
-        if pid == 0:                                     # the rank: a copy of the server, imports done
-            code = 1
-            try:
-                log = os.open(out / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.dup2(log, 1)
-                os.dup2(log, 2)
-                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
-                main(argv)
-                code = 0
-            except SystemExit as error:
-                code = error.code if isinstance(error.code, int) else 1
-            except BaseException:                        # noqa: BLE001  (its traceback goes to its log)
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)                           # no interpreter teardown: the record is written
-        children[pid] = rank
-    failed = False
-    while children:
-        pid, status = os.wait()
-        rank, code = children.pop(pid), os.waitstatus_to_exitcode(status)
-        if code != 0 and not failed:
-            failed = True
-            (out / "failure.json").write_text(json.dumps({"rank": rank, "code": code}))
-            for other in children:
-                os.kill(other, signal.SIGKILL)
-    return 1 if failed else 0
+    """The fork server of this module's ranks (``utils.fork_server.serve_ranks`` with ``main``; FSDP2's first
+    forward imports torch._dynamo: once in the server, not once per rank). Returns 0 when every rank succeeded."""
+    from . import fork_server
+    return fork_server.serve_ranks(world_size, out, argv, main, preload=(
+        "torch._dynamo", "torch.distributed.device_mesh", "torch.distributed.fsdp"))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1128,54 +1128,10 @@ def script_arguments(config: ModelParallelConfig, out: Path | str, parts: Sequen
 
 
 def serve_ranks(world_size: int, out: Path | str, argv: Sequence[str]) -> int:
-    """The fork server: import what every rank needs once, fork ``world_size`` ranks, wait for them all.
-
-    Each child is told its rank as torchrun tells it (``RANK``, ``LOCAL_RANK``; the rest of the environment is
-    the server's), writes its output to ``<out>/rank<r>.log`` and runs ``main(argv)``. The first rank that fails
-    is written to ``<out>/failure.json`` and the others are killed at once (they would wait for it until their
-    collectives time out). Returns the server's exit status: 0 when every rank succeeded, else 1.
-    """
-    import importlib
-    import signal
-    import sys
-    import traceback
-    for module in _PRELOAD:
-        importlib.import_module(module)
-    from . import memory  # noqa: F401  (section 2's tracker)
-    out = Path(out)
-    children: dict[int, int] = {}
-    sys.stdout.flush()
-    sys.stderr.flush()
-    for rank in range(world_size):
-        pid = os.fork()
-        if pid == 0:                                     # the rank: a copy of the server, imports done
-            code = 1
-            try:
-                log = os.open(out / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.dup2(log, 1)
-                os.dup2(log, 2)
-                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
-                main(argv)
-                code = 0
-            except SystemExit as error:
-                code = error.code if isinstance(error.code, int) else 1
-            except BaseException:                        # noqa: BLE001  (its traceback goes to its log)
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)                           # no interpreter teardown: the record is written
-        children[pid] = rank
-    failed = False
-    while children:
-        pid, status = os.wait()
-        rank, code = children.pop(pid), os.waitstatus_to_exitcode(status)
-        if code != 0 and not failed:
-            failed = True
-            (out / "failure.json").write_text(json.dumps({"rank": rank, "code": code}))
-            for other in children:
-                os.kill(other, signal.SIGKILL)
-    return 1 if failed else 0
+    """The fork server of this module's ranks (``utils.fork_server.serve_ranks`` with ``main`` and DTensor's,
+    FSDP's and pipelining's imports done once, and section 2's tracker). Returns 0 when every rank succeeded."""
+    from . import fork_server
+    return fork_server.serve_ranks(world_size, out, argv, main, preload=(*_PRELOAD, f"{__package__}.memory"))
 
 
 def _rank_failure(out: Path, rank: int, code: int) -> LaunchError:
