@@ -10,7 +10,9 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 # Test processes run side by side (pytest-xdist), each notebook kernel with one torch thread: on a 2-core
 # machine two kernels of one thread each finish sooner than one kernel of two threads after another. tests/conftest.py
-# deals the long tests out evenly among the workers. nbval's pytest plugin is off (`-p no:nbval`): the tests compare
+# deals the long tests out evenly among the workers. The check-mode runs fork their kernels from one server per
+# worker that imported torch, transformers and IPython once (tools/kernel_zygote.py; PYTORCH_INTRO_FRESH_KERNELS=1
+# starts fresh ones): 18 notebooks' check runs took 108 s instead of 159 s on 2 cores. nbval's pytest plugin is off (`-p no:nbval`): the tests compare
 # the marked outputs themselves, and the plugin would import jsonschema before tests/conftest.py can spare each
 # process the 2 s that jsonschema's optional rfc3987_syntax costs on import.
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, os.cpu_count() or 1)))")

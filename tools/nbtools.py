@@ -12,6 +12,8 @@ from typing import Iterator
 
 import nbformat
 
+from tools.kernel_zygote import KernelZygote, use_zygote
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 NBVAL_MARKER = "# NBVAL_CHECK_OUTPUT"
@@ -217,6 +219,9 @@ def _kernel_cpu_seconds(client, notebook: nbformat.NotebookNode) -> float | None
     return None
 
 
+_ZYGOTE = KernelZygote()     # one kernel server per process that runs check-mode notebooks (a test worker)
+
+
 def run_check_mode(notebook_path: Path, output: Path, *, build: Path, timeout_s: int = 300,
                    torch_threads: int = 1, wrong_answers: dict[str, dict[str, str]] | None = None) -> CheckRun:
     """Execute a notebook once in check mode, probing its student version on the way.
@@ -237,11 +242,14 @@ def run_check_mode(notebook_path: Path, output: Path, *, build: Path, timeout_s:
     source = nbformat.read(notebook_path, as_version=4)
     student = student_version(source)
     first = first_exercise_index(source)
-    client = NotebookClient(source, timeout=timeout_s, kernel_name="python3",
-                            resources={"metadata": {"path": str(notebook_path.parent)}})
     run = CheckRun(notebook=source, seconds=0.0)
     started = time.perf_counter()
     with notebook_environment(check_mode=True, build=build, torch_threads=torch_threads):
+        # the kernel is forked from a server that has imported torch & co. once (tools/kernel_zygote.py; started
+        # here on first use, so that it imports them in this environment), unless PYTORCH_INTRO_FRESH_KERNELS=1
+        forked = {"kernel_manager_class": _ZYGOTE.kernel_manager_class()} if use_zygote() else {}
+        client = NotebookClient(source, timeout=timeout_s, kernel_name="python3",
+                                resources={"metadata": {"path": str(notebook_path.parent)}}, **forked)
         with client.setup_kernel():
             try:
                 for index, cell in enumerate(source.cells):
