@@ -83,3 +83,13 @@ def test_a_killed_client_takes_its_kernel_with_it(zygote, tmp_path):
         pid = int(_stdout(notebook.cells[0]))
         os.kill(client.km.provisioner.process.pid, signal.SIGKILL)     # what the manager's kill does, or a crash
         assert _gone_within(pid, 10), "the kernel outlived the client the manager watches"
+
+
+def test_a_stopped_server_takes_its_kernels_with_it(tmp_path):
+    server = KernelZygote()
+    client, notebook = _run(server, ["import os\nprint(os.getpid())"], tmp_path)
+    with client.setup_kernel():
+        client.execute_cell(notebook.cells[0], 0)
+        pid = int(_stdout(notebook.cells[0]))
+        server.stop()
+        assert _gone_within(pid, 10), "a kernel outlived its server"

@@ -121,7 +121,6 @@ def serve(socket_path: str) -> int:
     """Import ``PRELOAD``, then fork a kernel per connection until the process that started the server is gone."""
     import importlib
     import selectors
-    import time
 
     parent = os.getppid()
     # what ipykernel sets before the first import of matplotlib: its inline backend, unless the caller chose one
@@ -141,6 +140,22 @@ def serve(socket_path: str) -> int:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     kernels: dict[int, socket.socket] = {}               # kernel pid -> its client's connection
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))   # KernelZygote.stop: the kernels go with the server
+    try:
+        _serve_loop(listener, selector, kernels, parent)
+    finally:
+        for pid in kernels:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return 0
+
+
+def _serve_loop(listener: socket.socket, selector, kernels: dict[int, socket.socket], parent: int) -> None:
+    """Fork a kernel per connection, report ended kernels, until the server's parent is gone."""
+    import selectors
+
     while os.getppid() == parent:
         for key, _ in selector.select(timeout=0.2):
             if key.fileobj is listener:
@@ -180,13 +195,6 @@ def serve(socket_path: str) -> int:
                 except KeyError:
                     pass
                 connection.close()
-    for pid in kernels:                                  # the test process is gone: so are its kernels
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    time.sleep(0)
-    return 0
 
 
 class KernelZygote:
@@ -246,13 +254,17 @@ class KernelZygote:
         return ForkedKernelManager
 
     def stop(self) -> None:
-        """Stop the server (its kernels go with it)."""
+        """Stop the server (its kernels go with it) and remove its socket's folder."""
+        import shutil
+
         if self._process is not None and self._process.poll() is None:
             self._process.terminate()
             try:
                 self._process.wait(timeout=5)
             except Exception:                            # noqa: BLE001
                 self._process.kill()
+        if self._socket_path is not None:
+            shutil.rmtree(os.path.dirname(self._socket_path), ignore_errors=True)
 
 
 def use_zygote() -> bool:
