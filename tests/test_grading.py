@@ -11,8 +11,10 @@ same converter applications as the ``nbgrader`` command) in this process: three 
 start a Python and import nbgrader's stack again (about 3 s of CPU each on 2 cores), for nothing the test checks.
 For the same reason the gradebook's schema version, which nbgrader reads by running the ``alembic heads`` program
 (a Python that imports nbgrader again: about 3 s of CPU), is read in this process from the same migration scripts
-with alembic's own ``ScriptDirectory``. The notebooks still execute in kernels of their own, started by nbgrader,
-in the course folder's submission.
+with alembic's own ``ScriptDirectory``. The notebooks still execute in kernels of their own, started by nbgrader's
+own ``Execute`` preprocessor in the course folder's submission; on a CPU machine those kernels are forked from the
+test process's kernel server, as the check-mode runs' are (tools/kernel_zygote.py: about 3 CPU-s of imports saved
+per kernel), and ``PYTORCH_INTRO_FRESH_KERNELS=1`` starts fresh ones.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.nbtools import nbgrader_api, nbgrader_succeeded
+from tools.kernel_zygote import use_zygote
+from tools.nbtools import CHECK_KERNELS, nbgrader_api, nbgrader_succeeded
 
 ROOT = Path(__file__).resolve().parent.parent
 # one cheap notebook with two exercises; the mechanism is the same for all of them
@@ -44,6 +47,11 @@ def test_nbgrader_round_trip_gives_solutions_full_marks_and_the_release_zero(tmp
         monkeypatch.setenv(name, value)
     # what `alembic heads` prints first, which a new gradebook records (nbgrader.api.get_alembic_version): no program
     monkeypatch.setattr("nbgrader.api.get_alembic_version", ScriptDirectory(ALEMBIC_DIR).get_current_head)
+    if use_zygote():
+        # nbgrader's Execute passes its kernel manager class to nbclient as an argument (so config cannot set it),
+        # naming jupyter_client's AsyncKernelManager: the forked kernels' manager takes its place
+        monkeypatch.setattr("nbgrader.preprocessors.execute.AsyncKernelManager",
+                            CHECK_KERNELS.kernel_manager_class())
     notebook = ROOT / "notebooks" / f"{ROUND_TRIP_NOTEBOOK}.ipynb"
     course = tmp_path / "course_root"
     (course / "source" / "ps").mkdir(parents=True)

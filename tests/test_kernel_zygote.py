@@ -10,15 +10,15 @@ import nbformat
 import pytest
 
 from tools.kernel_zygote import KernelZygote
+from tools.nbtools import CHECK_KERNELS
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="kernels are forked only where os.fork exists")
 
 
 @pytest.fixture(scope="module")
 def zygote():
-    server = KernelZygote()
-    yield server
-    server.stop()
+    """The test process's own server, the one its check-mode runs use (started here if none of them ran yet)."""
+    return CHECK_KERNELS
 
 
 def _alive(pid: int) -> bool:
@@ -86,10 +86,16 @@ def test_a_killed_client_takes_its_kernel_with_it(zygote, tmp_path):
 
 
 def test_a_stopped_server_takes_its_kernels_with_it(tmp_path):
-    server = KernelZygote()
+    server = KernelZygote(preload=("ipykernel.kernelapp", "ipykernel.ipkernel"))    # what is imported does not matter
     client, notebook = _run(server, ["import os\nprint(os.getpid())"], tmp_path)
     with client.setup_kernel():
         client.execute_cell(notebook.cells[0], 0)
         pid = int(_stdout(notebook.cells[0]))
         server.stop()
         assert _gone_within(pid, 10), "a kernel outlived its server"
+
+
+@pytest.mark.parametrize("preload", [(), ("torch", "numpy,scipy"), ("",), "torch"])
+def test_a_server_refuses_a_preload_that_is_not_module_names(preload):
+    with pytest.raises(ValueError, match="preload must be a non-empty tuple of module names"):
+        KernelZygote(preload=preload)

@@ -219,7 +219,9 @@ def _kernel_cpu_seconds(client, notebook: nbformat.NotebookNode) -> float | None
     return None
 
 
-_ZYGOTE = KernelZygote()     # one kernel server per process that runs check-mode notebooks (a test worker)
+# one kernel server per process that runs check-mode notebooks (a test worker), shared by every test there that
+# starts a notebook kernel (tests/test_grading.py, tests/test_kernel_zygote.py)
+CHECK_KERNELS = KernelZygote()
 
 
 def run_check_mode(notebook_path: Path, output: Path, *, build: Path, timeout_s: int = 300,
@@ -247,7 +249,7 @@ def run_check_mode(notebook_path: Path, output: Path, *, build: Path, timeout_s:
     with notebook_environment(check_mode=True, build=build, torch_threads=torch_threads):
         # the kernel is forked from a server that has imported torch & co. once (tools/kernel_zygote.py; started
         # here on first use, so that it imports them in this environment), unless PYTORCH_INTRO_FRESH_KERNELS=1
-        forked = {"kernel_manager_class": _ZYGOTE.kernel_manager_class()} if use_zygote() else {}
+        forked = {"kernel_manager_class": CHECK_KERNELS.kernel_manager_class()} if use_zygote() else {}
         client = NotebookClient(source, timeout=timeout_s, kernel_name="python3",
                                 resources={"metadata": {"path": str(notebook_path.parent)}}, **forked)
         with client.setup_kernel():
