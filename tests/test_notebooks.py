@@ -430,6 +430,7 @@ EXPECTED_FIGURES = {
         "interleaved_1f1b_bubble_fraction": lambda v, f: 0 < v < f["pipeline_bubble_fraction"],
         "interleaved_over_1f1b_peak": lambda v, f: v > 1,                      # more stage-micro-batches in flight
         "ring_max_error": lambda v, f: v < 1e-5,
+        "ring_grouped_query_max_error": lambda v, f: v < 1e-5,                 # fewer k/v heads, a scale of 1/d
         "contiguous_busiest_over_least": lambda v, f: v > 1,
         "smallest_gpus_70b": lambda v, f: 16 * 69e9 / 72e9 <= v <= 256,
         "smallest_gpus_405b": lambda v, f: v > f["smallest_gpus_70b"],

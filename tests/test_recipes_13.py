@@ -111,14 +111,40 @@ def test_pipeline_recipe_trains_a_sequential_like_one_process(recipe, one_rank, 
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_ring_attention_on_llama_shaped_heads(recipe, one_rank):
+def _llama_heads(dtype: torch.dtype = torch.float32, seq: int = 16):
+    """q, k, v as a transformers Llama hands them to attention: (B, heads, T, d) and (B, kv-heads, T, d), its
+    grouped-query ratio (tests/recipe_models.tiny_llama: 4 heads, 2 key/value heads)."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, seq, 8, generator=generator)
+    k, v = (torch.randn(2, 2, seq, 8, generator=generator) for _ in range(2))
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+# (dtype, scale, tolerance): SDPA's default scale and another (Gemma's query_pre_attn_scalar kind), fp32 and bf16 inputs
+ATTENTION_CASES = [(torch.float32, None, 1e-6), (torch.float32, 0.05, 1e-6), (torch.bfloat16, None, 2 ** -7),
+                   (torch.bfloat16, 0.05, 2 ** -7)]
+
+
+@pytest.mark.parametrize("dtype,scale,tolerance", ATTENTION_CASES)
+def test_ring_attention_on_llama_shaped_heads(recipe, one_rank, dtype, scale, tolerance):
     # one rank: the ring has one chunk, and the causal mask by positions must still be exact
-    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    q, k, v = _llama_heads(dtype)
     positions = recipe["sequence_chunks"](16, 1, 0, True)
     out, blocks = recipe["ring_attention"](q[:, :, positions], k[:, :, positions], v[:, :, positions], positions,
-                                           positions.clone())
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, :, positions])
-    assert blocks == 1
+                                           positions.clone(), scale=scale)
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=scale,
+                                              enable_gqa=True)[:, :, positions]
+    assert out.dtype == dtype and blocks == 1
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_context_parallel_recipes_refuse_heads_that_do_not_group(recipe, one_rank):
+    q, k, v = torch.randn(1, 4, 8, 8), torch.randn(1, 3, 8, 8), torch.randn(1, 3, 8, 8)
+    positions = torch.arange(8)
+    with pytest.raises(RuntimeError, match="unflatten"):                    # 4 query heads over 3 k/v heads
+        recipe["ring_attention"](q, k, v, positions, positions.clone())
+    with pytest.raises(RuntimeError):
+        recipe["all_gather_attention"](q, k, v, positions, positions.clone())
 
 
 def test_sequence_chunks_cover_the_sequence_once(recipe):
@@ -174,8 +200,12 @@ def test_multi_stage_recipe_trains_a_sequential_like_one_process(recipe, one_ran
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_all_gather_attention_on_llama_shaped_heads(recipe, one_rank):
-    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+@pytest.mark.parametrize("dtype,scale,tolerance", ATTENTION_CASES)
+def test_all_gather_attention_on_llama_shaped_heads(recipe, one_rank, dtype, scale, tolerance):
+    q, k, v = _llama_heads(dtype)
     positions = recipe["sequence_chunks"](16, 1, 0, True)
-    out = recipe["all_gather_attention"](q, k, v, positions, positions.clone())
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    out = recipe["all_gather_attention"](q, k, v, positions, positions.clone(), scale=scale)
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=scale,
+                                              enable_gqa=True)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)

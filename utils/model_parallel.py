@@ -409,33 +409,34 @@ def pipeline_step(schedule: Any, stage_index: int | Sequence[int], num_stages: i
 # --- 4. the recipe: context parallelism (ring attention, and Llama 3's all-gathered keys and values) -----------------
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-                   kv_positions: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Causal attention of this rank's queries over every rank's keys: the k/v chunks travel round the ring."""
+                   kv_positions: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, int]:
+    """Causal attention over every rank's keys, k/v chunks passed round the ring; k, v may have fewer heads than q."""
     import torch.distributed as dist
-    rank, world = dist.get_rank(), dist.get_world_size()
-    running_max = torch.full(q.shape[:-1] + (1,), float("-inf"))            # (B, H, Lq, 1): notebook 11's
-    running_sum, output, blocks = torch.zeros_like(running_max), torch.zeros_like(q), 0   # online softmax
+    rank, world, dtype = dist.get_rank(), dist.get_world_size(), q.dtype
+    q = q.float().unflatten(1, (k.shape[1], -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)   # G per k/v head
+    running_max = torch.full(q.shape[:-1] + (1,), -math.inf, device=q.device)    # (B, Hkv, G, Lq, 1): notebook 11's
+    running_sum, output, blocks = torch.zeros_like(running_max), 0.0, 0           # online softmax, in fp32
     for step in range(world):
         if step < world - 1:       # pass our chunk on (and receive the previous rank's) while we compute
             incoming = [torch.empty_like(t) for t in (k, v, kv_positions)]
             sends = [dist.P2POp(dist.isend, t, (rank + 1) % world) for t in (k, v, kv_positions)]
             requests = dist.batch_isend_irecv(sends + [dist.P2POp(dist.irecv, t, (rank - 1) % world) for t in incoming])
         allowed = kv_positions[None, :] <= q_positions[:, None]              # (Lq, Lk): no key after the query
-        if allowed.any():                                                    # a chunk wholly in the future: skipped
-            scores = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(~allowed, float("-inf"))
+        if allowed.any():          # a chunk wholly in the future is skipped; each k/v head serves its G query heads
+            scores = (q @ k.float().unsqueeze(2).transpose(-2, -1)).masked_fill_(~allowed, -math.inf)
             new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
             rescale, weights = torch.exp(running_max - new_max), torch.exp(scores - new_max)
             running_sum = running_sum * rescale + weights.sum(dim=-1, keepdim=True)
-            output, running_max, blocks = output * rescale + weights @ v, new_max, blocks + 1
+            output, running_max, blocks = output * rescale + weights @ v.float().unsqueeze(2), new_max, blocks + 1
         if step < world - 1:
             for request in requests:
                 request.wait()
             k, v, kv_positions = incoming
-    return output / running_sum, blocks
+    return (output / running_sum).flatten(1, 2).to(dtype), blocks
 
 
 def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-                         kv_positions: torch.Tensor) -> torch.Tensor:
+                         kv_positions: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over every rank's keys: gather all keys and values first (Llama 3)."""
     import torch.distributed as dist
     world = dist.get_world_size()
@@ -446,7 +447,8 @@ def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
         gathered.append(torch.cat(parts, dim=-2 if t.dim() > 1 else 0))
     k_all, v_all, kv_all = gathered
     allowed = kv_all[None, :] <= q_positions[:, None]                       # (Lq, L): no key after the query
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed)
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed, scale=scale,   # None: 1/√D
+                                          enable_gqa=k.shape[1] != q.shape[1])      # fewer k/v heads than q's
 
 
 def sequence_chunks(seq: int, cp: int, rank: int, balanced: bool) -> torch.Tensor:
@@ -1050,6 +1052,19 @@ def _context_parallel_part(config: ModelParallelConfig, rank: int, world: int) -
         out = all_gather_attention(local_q, local_k, local_v, positions, positions.clone())
     record["all_gather"] = {"max_error": (out - reference[:, :, positions]).abs().max().item(),
                             "collectives": log.records}
+    # a reader's attention: grouped-query heads (half as many k/v heads, as in Llama) and a scale other than 1/√D
+    kv_heads, scale = max(1, heads // 2), 1 / head_dim
+    few_k, few_v = (t[:, :kv_heads].contiguous() for t in (k, v))
+    reference = F.scaled_dot_product_attention(q, few_k, few_v, is_causal=True, scale=scale, enable_gqa=True)
+    local_q, local_k, local_v = (t[:, :, positions].contiguous() for t in (q, few_k, few_v))
+    with CollectiveLog("ring") as log:
+        ring_out, _ = ring_attention(local_q, local_k, local_v, positions, positions.clone(), scale=scale)
+    gathered_out = all_gather_attention(local_q, local_k, local_v, positions, positions.clone(), scale=scale)
+    record["grouped_query"] = {
+        "kv_heads": kv_heads, "scale": scale, "local_kv_bytes": local_bytes([local_k, local_v]),
+        "collectives": log.records,
+        "ring_max_error": (ring_out - reference[:, :, positions]).abs().max().item(),
+        "all_gather_max_error": (gathered_out - reference[:, :, positions]).abs().max().item()}
     return record
 
 
