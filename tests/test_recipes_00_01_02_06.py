@@ -295,6 +295,39 @@ def test_02_refuses_what_it_cannot_weight_with_a_message_that_names_it():
     assert all(p.grad is None for p in model.parameters()), "a refused batch leaves no gradient behind"
 
 
+def test_02_refuses_a_collators_unshifted_causal_lm_labels_and_trains_a_masked_lm():
+    """``DataCollatorForLanguageModeling(mlm=False)`` copies input_ids into labels (padded_dict_batches' labels are
+    those): they line up with the logits, and a loss outside the model trains each position to repeat its own token
+    (the gradient was 1.33 off, relative, before the recipe refused them). A masked LM's labels, masked in input_ids,
+    pass and give the model's own loss gradient."""
+    from recipe_models_heldout import VOCAB, tiny_bert_mlm
+
+    recipe = run_recipe("02")
+    model = _causal_lm("llama")
+    batch = padded_dict_batches(batch_size=4, size=4)[0]
+    inputs = {name: value for name, value in batch.items() if name != "labels"}
+    with pytest.raises(ValueError, match="unshifted causal-LM labels"):
+        recipe["accumulate_gradients"](model, inputs, batch["labels"], 2)
+    assert all(p.grad is None for p in model.parameters()), "a refused batch leaves no gradient behind"
+    recipe["accumulate_gradients"](model, inputs, _shifted(batch["labels"]), 2)        # shifted: trained
+
+    mlm = tiny_bert_mlm()
+    tokens = padded_dict_batches(batch_size=4, size=4, vocab=VOCAB - 1)[0]
+    real = tokens["attention_mask"].bool()
+    masked = real & (torch.rand(real.shape, generator=torch.Generator().manual_seed(0)) < 0.3)
+    masked[0, 0] = masked[1, 1] = True                                      # two targets at least
+    replaced = masked.clone()
+    replaced[0, 0] = False                          # the collator's 10 % left unchanged: this target is its own input
+    labels = torch.where(masked, tokens["input_ids"], -100)
+    masked_inputs = {"input_ids": torch.where(replaced, VOCAB - 1, tokens["input_ids"]),     # VOCAB - 1: the [MASK]
+                     "attention_mask": tokens["attention_mask"]}
+    mlm(**masked_inputs, labels=labels).loss.backward()                      # transformers' own: mean over targets
+    expected = _flat_grads(mlm)
+    mlm.zero_grad(set_to_none=True)
+    recipe["accumulate_gradients"](mlm, masked_inputs, labels, 2)
+    assert float((_flat_grads(mlm) - expected).norm() / expected.norm()) < 1e-5
+
+
 # --- 06: the profiled training step ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["sequential", "fused_qkv", "llama"])
