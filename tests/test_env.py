@@ -36,6 +36,31 @@ def test_pick_device():
 def test_environment_report_names_torch_and_device():
     report = utils.environment_report("cpu")
     assert torch.__version__ in report and "threads" in report and "bf16" in report
+    native = utils.cpu_bf16_native()
+    expected = {True: "bf16: native", False: "bf16: emulated", None: "bf16: runs"}[native]
+    assert expected in report and "bf16: yes" not in report, "a CPU's bf16 is native or emulated, not just 'yes'"
+
+
+@pytest.mark.parametrize("flags,capability,isa,machine,native", [
+    ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, "AVX512", "ALL", "x86_64", True),       # a Sapphire Rapids Xeon
+    ({"avx2", "avx512f", "avx512_bf16"}, "AVX512", "", "x86_64", True),                   # Cooper Lake, Zen 4
+    ({"avx2", "avx512f", "avx512_bf16"}, "AVX512", "AVX512_CORE_AMX", "x86_64", True),
+    ({"avx2", "avx512f"}, "AVX512", "ALL", "x86_64", False),                              # Skylake-X: no bf16 unit
+    ({"avx2", "fma"}, "AVX2", "ALL", "x86_64", False),                                    # AVX2 only: EPYC Zen 3
+    ({"avx2", "avx512f", "amx_bf16"}, "AVX2", "ALL", "x86_64", False),                    # ATEN_CPU_CAPABILITY=avx2
+    ({"avx2", "avx512f", "amx_bf16"}, "AVX512", "AVX2", "x86_64", False),                 # ONEDNN_MAX_CPU_ISA=AVX2
+    (None, None, None, "arm64", None),                                                    # Apple silicon: unknown
+])
+def test_cpu_bf16_native_needs_the_instructions_and_kernels_allowed_to_use_them(flags, capability, isa, machine,
+                                                                               native):
+    assert utils.cpu_bf16_native(flags, capability, isa, machine) is native
+
+
+def test_cpu_bf16_native_reads_what_this_machine_forces(monkeypatch):
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert utils.cpu_bf16_native({"amx_bf16"}, "AVX512", None, "x86_64") is False
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core_bf16")
+    assert utils.cpu_bf16_native({"amx_bf16"}, "AVX512", None, "x86_64") is True
 
 
 def test_seed_everything_repeats_and_rejects_bad_seeds():

@@ -91,7 +91,7 @@ def describe_device(device: str | None = None) -> dict[str, object]:
 def cpu_kind(capability: str, forced: str | None = None) -> str:
     """What a CPU's name needs to tell two kinds of one model apart: ``""`` for one with AVX-512 (native bf16 on
     the Xeons this course is filed on), ``" (AVX2)"`` for a CPU whose widest vector unit torch uses is AVX2 (bf16
-    and fp16 matmuls 10-50x slower than fp32: notebooks size their 16-bit sections down there), and
+    and fp16 matmuls tens of times slower than fp32: notebooks size their 16-bit sections down there), and
     ``" (AVX2, emulated)"`` when ``ATEN_CPU_CAPABILITY`` forced torch below what the processor has.
 
     Args:

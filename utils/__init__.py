@@ -23,7 +23,7 @@ _EXPORTS: dict[str, str] = {
     "CHECK_MODE_VARIABLE": "env", "MEMORY_CLASSES_GB": "env", "autocast_dtype": "env", "build_dir": "env",
     "by_memory": "env", "check_mode": "env", "device_memory_bytes": "env", "device_name": "env",
     "environment_report": "env", "memory_class_gb": "env", "pick_device": "env", "seed_everything": "env",
-    "supports_bf16": "env",
+    "supports_bf16": "env", "cpu_bf16_native": "env",
     "BytesPerParameter": "footprint", "ModelStateFootprint": "footprint", "bytes_per_parameter": "footprint",
     "count_parameters": "footprint", "max_trainable_parameters": "footprint",
     "predict_mlp_activation_bytes": "footprint", "predict_model_state": "footprint",

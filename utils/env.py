@@ -88,17 +88,55 @@ def device_name(device: torch.device | str) -> str:
 
 
 def supports_bf16(device: torch.device | str) -> bool:
-    """Whether bf16 arithmetic is native: CUDA compute capability 8.0+ (A100, H100, RTX 30xx on), or any CPU.
+    """Whether to train in bf16 there: on CUDA where it is native (compute capability 8.0+: A100, H100, RTX 30xx
+    on), and on any CPU.
 
     On CUDA this asks the device's capability, not ``torch.cuda.is_bf16_supported()``, whose default
     (``including_emulation=True``) also answers True on a T4 (7.5), where bf16 is emulated, slow, and
-    gets neither Inductor nor the flash kernels. CPUs always *run* bf16, but without AMX/AVX512-BF16
-    it is emulated and slower than fp32; notebook 04 measures that instead of assuming it.
+    gets neither Inductor nor the flash kernels; there fp16 with a GradScaler is the format. CPUs always *run*
+    bf16 (and CPU autocast's fp16 is no faster), natively with AVX512-BF16 or AMX and emulated, slower than fp32,
+    without them: :func:`cpu_bf16_native` says which, and the notebooks that compute in 16 bits measure by how
+    much (``utils.formats.format_speed``) instead of assuming it.
     """
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 0)
     return True
+
+
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")      # /proc/cpuinfo's names of the instructions that multiply bf16
+
+
+def cpu_bf16_native(flags: set[str] | None = None, capability: str | None = None, onednn_isa: str | None = None,
+                    machine: str | None = None) -> bool | None:
+    """Whether torch multiplies bf16 natively on this CPU (AVX512-BF16 or AMX instructions, in use): True; emulated,
+    slower than fp32: False; None where the CPU's flags cannot be read (not Linux on x86-64).
+
+    Native needs the instructions (``flags``, from /proc/cpuinfo) and kernels allowed to use them: torch's
+    ``get_cpu_capability()`` AVX512 (``ATEN_CPU_CAPABILITY=avx2`` lowers it to AVX2) and oneDNN's ISA not capped
+    below bf16 (``ONEDNN_MAX_CPU_ISA=AVX2``, say). The arguments stand in for what this machine reports (tests).
+
+    Example:
+        >>> cpu_bf16_native({"avx2", "amx_bf16"}, "AVX512", "ALL", "x86_64")
+        True
+    """
+    machine = (platform.machine() if machine is None else machine).lower()
+    if machine not in ("x86_64", "amd64"):
+        return None
+    if flags is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+        flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+        if not flags:
+            return None
+    capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
+    if onednn_isa is None:
+        onednn_isa = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "ALL"))
+    onednn_isa = onednn_isa.strip().upper() or "ALL"
+    isa_allows = onednn_isa in ("ALL", "DEFAULT") or any(name in onednn_isa for name in ("BF16", "AMX", "FP16"))
+    return bool(set(BF16_CPU_FLAGS) & set(flags)) and capability.upper().startswith("AVX512") and isa_allows
 
 
 def autocast_dtype(device: torch.device | str) -> torch.dtype:
@@ -172,7 +210,9 @@ def by_memory(device: torch.device | str, *, cpu: Any, gpu: Mapping[int, Any]) -
 def environment_report(device: torch.device | str) -> str:
     """One line that names the software and hardware behind every number a notebook prints.
 
-    Example output: ``torch 2.13.0+cpu | CPU x86_64, 2 threads | bf16: yes | CPU threads: 2``
+    Example output: ``torch 2.13.0+cpu | CPU x86_64, 2 threads | bf16: native | CPU threads: 2`` (a CPU's bf16:
+    ``native``, ``emulated (slower than fp32)`` or, where its flags cannot be read, ``runs``; a GPU's: ``yes`` or
+    ``no (fp16 + GradScaler instead)``)
     """
     device = torch.device(device)
     parts = [f"torch {torch.__version__}", device_name(device)]
@@ -180,7 +220,12 @@ def environment_report(device: torch.device | str) -> str:
         major, minor = torch.cuda.get_device_capability(device)
         parts.append(f"CUDA {torch.version.cuda}, capability {major}.{minor}")
         parts.append(f"{device_memory_bytes(device) / 10**9:.1f} GB ({memory_class_gb(device)} GB class)")
-    parts.append(f"bf16: {'yes' if supports_bf16(device) else 'no (fp16 + GradScaler instead)'}")
+    if device.type == "cuda":
+        parts.append(f"bf16: {'yes' if supports_bf16(device) else 'no (fp16 + GradScaler instead)'}")
+    else:                   # a CPU always runs bf16: the question is whether natively
+        native = cpu_bf16_native()
+        parts.append("bf16: " + {True: "native", False: "emulated (slower than fp32)", None: "runs (native or not: "
+                                 "unknown here)"}[native])
     parts.append(f"CPU threads: {torch.get_num_threads()}")
     return " | ".join(parts)
 

@@ -2,9 +2,10 @@
 
 Introduced in notebook 04 (mixed precision); notebooks 08, 10 and 17 size their 16-bit sections with it. A CPU with
 native bf16 (AVX512-BF16 or AMX) multiplies bf16 matrices faster than fp32; a CPU with AVX2 only (many laptops,
-CI runners, AMD EPYC before Zen 4) emulates bf16 and fp16 and is 10-50 times *slower*, so a section that trains
-for 60 steps in bf16 takes seconds on one machine and twenty minutes on the other. A notebook measures the
-format first, then sizes the affected sections from the measurement and says what it changed.
+CI runners, AMD EPYC before Zen 4) emulates bf16 and fp16 and is tens of times *slower* (the probe measures by
+how much), so a section that trains for 60 steps in bf16 takes seconds on one machine and twenty minutes on the
+other. A notebook measures the format first, then sizes the affected sections from the measurement and says what it
+changed.
 
 The probe can be faked for tests: ``PYTORCH_INTRO_FORMAT_SLOWDOWN="bfloat16=40,float16=40"`` makes
 :func:`format_speed` report those ratios without timing anything.
