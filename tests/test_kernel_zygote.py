@@ -69,7 +69,7 @@ def test_a_timed_out_cell_is_interrupted_and_its_kernel_does_not_outlive_the_run
     from nbclient.exceptions import CellTimeoutError
 
     client, notebook = _run(zygote, ["import os\nprint(os.getpid())", "import time\ntime.sleep(600)"], tmp_path,
-                            timeout_s=3)
+                            timeout_s=2)
     with pytest.raises(CellTimeoutError):
         client.execute()
     pid = int(_stdout(notebook.cells[0]))

@@ -276,6 +276,11 @@ def test_readme_marks_timing_figures_with_their_noise_band():
     assert _value(timed) == f"{TIMING_MARK} 0.9× ±25 %; within noise"
     unbanded = {"name": "train_step_speedup", "value": 0.97, "unit": "x"}
     assert _value(unbanded).startswith(TIMING_MARK) and "spread not recorded" in _value(unbanded)
+    one_off = {"name": "compile_seconds", "value": 21.9, "unit": "s", "verdict": "one compile, not repeated"}
+    assert _value(one_off).endswith("(one compile, not repeated)") and "spread not recorded" not in _value(one_off)
+    overhead = {"name": "every_block_time_overhead", "value": 0.382, "unit": "fraction", "noise": 0.11,
+                "verdict": "slower"}
+    assert _value(overhead) == f"{TIMING_MARK} 38.2% ±11 %; slower"
     memory = {"name": "step_peak_mib", "value": 200.25, "unit": "MiB"}
     assert TIMING_MARK not in _value(memory)
 
@@ -289,3 +294,24 @@ def test_results_record_a_comparison_with_its_band(tmp_path, monkeypatch):
     assert results.record_comparison("speedup", comparison) == 2.0
     saved = json.loads(results.path.read_text())["figures"]["speedup"]
     assert (saved["unit"], saved["noise"], saved["verdict"]) == ("x", 0.0, "faster")
+
+
+def test_results_record_a_derived_timing_with_the_band_it_was_judged_by(tmp_path, monkeypatch):
+    """Notebook 03's overhead (1 / ratio - 1) carries its comparison's band; 05's one compile says why it has none."""
+    import json
+    import utils
+    monkeypatch.setenv("PYTORCH_INTRO_BUILD_DIR", str(tmp_path))
+    results = utils.Results("03_activation_checkpointing", "cpu")
+    comparison = utils.compare(utils.Timing("cpu", (10.0, 10.5) * 3, 1), utils.Timing("cpu", (14.0, 14.5) * 3, 1))
+    results.record("overhead", 1 / comparison.ratio - 1, "fraction", noise=comparison.noise,
+                   verdict=comparison.verdict)
+    results.record("compile_seconds", 3.2, "s", verdict="one compile, not repeated")
+    saved = json.loads(results.path.read_text())["figures"]
+    assert (saved["overhead"]["noise"], saved["overhead"]["verdict"]) == (comparison.noise, "slower")
+    assert (saved["compile_seconds"]["noise"], saved["compile_seconds"]["verdict"]) == \
+        (None, "one compile, not repeated")
+    for bad in (-0.1, float("inf"), float("nan"), True, "5 %"):
+        with pytest.raises(ValueError, match="noise must be"):
+            results.record("x", 1.0, "x", noise=bad)
+    with pytest.raises(ValueError, match="verdict must be"):
+        results.record("x", 1.0, "x", verdict="")

@@ -260,8 +260,8 @@ def _value(figure: dict | None, label: str = "") -> str:
     text = _plain_value(figure, label)
     if not is_timing(figure, label):
         return text
-    if figure.get("noise") is None:
-        return f"{TIMING_MARK} {text} (spread not recorded)"
+    if figure.get("noise") is None:          # a one-off time says why it has no band; an old file says nothing
+        return f"{TIMING_MARK} {text} ({figure.get('verdict') or 'spread not recorded'})"
     verdict = f"; {figure['verdict']}" if figure.get("verdict") else ""
     text = text.replace(" (a slowdown here)", "")          # the verdict, judged against the band, says it
     return f"{TIMING_MARK} {text} {format_band(figure['noise'])}{verdict}"

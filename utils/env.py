@@ -94,9 +94,10 @@ def supports_bf16(device: torch.device | str) -> bool:
     On CUDA this asks the device's capability, not ``torch.cuda.is_bf16_supported()``, whose default
     (``including_emulation=True``) also answers True on a T4 (7.5), where bf16 is emulated, slow, and
     gets neither Inductor nor the flash kernels; there fp16 with a GradScaler is the format. CPUs always *run*
-    bf16 (and CPU autocast's fp16 is no faster), natively with AVX512-BF16 or AMX and emulated, slower than fp32,
-    without them: :func:`cpu_bf16_native` says which, and the notebooks that compute in 16 bits measure by how
-    much (``utils.formats.format_speed``) instead of assuming it.
+    bf16, natively with AVX512-BF16 or AMX and emulated, slower than fp32, without them: :func:`cpu_bf16_native`
+    says which. CPU autocast runs fp16 too (with a GradScaler, as on a GPU). Whether either 16-bit format is faster
+    than fp32 depends on the CPU, so the notebooks that compute in 16 bits measure each format's speed on the
+    machine (``utils.formats.format_speed``) instead of assuming it.
     """
     device = torch.device(device)
     if device.type == "cuda":

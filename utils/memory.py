@@ -26,7 +26,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
 
 from .env import device_name
 
@@ -200,6 +199,25 @@ class _Recorder:
             timeline.append(MemorySample(len(timeline), self.measurement._phase, current))
 
 
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in an aten op's arguments or result: tensors, nested in tuples, lists and dicts.
+
+    What ``torch.utils._pytree.tree_flatten`` finds in them, without building its tree spec, which cost more than
+    the rest of the tracker's work per op (an aten op's arguments hold no other container).
+    """
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif isinstance(item, (tuple, list, dict)):
+                yield from _tensors_in(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors_in(item)
+
+
 def _unwrap_subclasses(objects: Any) -> Iterator[Any]:
     """The objects, with each tensor subclass that wraps tensors (DTensor) replaced by its inner tensors."""
     for obj in objects:
@@ -256,10 +274,8 @@ class _StorageTrackerMode(TorchDispatchMode):
         if self.watch_resizes:
             self.reconcile()
         out = func(*args, **kwargs)
-        inputs, _ = tree_flatten((args, kwargs))
-        input_storages = {t.untyped_storage()._cdata for t in _unwrap_subclasses(inputs) if self._follows(t)}
-        outputs, _ = tree_flatten(out)
-        for tensor in _unwrap_subclasses(outputs):
+        input_storages = None         # read only for an output the tracker does not follow yet (most ops have none)
+        for tensor in _unwrap_subclasses(_tensors_in(out)):
             if not self._follows(tensor):
                 continue
             storage = tensor.untyped_storage()
@@ -271,8 +287,13 @@ class _StorageTrackerMode(TorchDispatchMode):
                         self.recorder.sample(self.recorder.current + nbytes - self.live[key])
                         self.live[key] = nbytes
                     continue
+                if nbytes == 0:
+                    continue
+                if input_storages is None:
+                    input_storages = {t.untyped_storage()._cdata
+                                      for t in _unwrap_subclasses(_tensors_in((args, kwargs))) if self._follows(t)}
                 fresh = func is torch.ops.aten.lift_fresh.default  # torch.tensor(data) arrives so
-                if (key in input_storages and not fresh) or nbytes == 0:
+                if key in input_storages and not fresh:
                     continue  # a view or an in-place result of something that existed already
                 if self.budget_bytes is not None and self.baseline + self.recorder.current + nbytes > self.budget_bytes:
                     # the new storage is not followed; it dies when the exception unwinds the op's caller

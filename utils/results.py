@@ -59,12 +59,24 @@ class Results:
         self.figures: dict[str, Figure] = {}
         self.path = build_dir() / "results" / f"{notebook}.json"
 
-    def record(self, name: str, value: float, unit: str, note: str = "") -> float:
+    def record(self, name: str, value: float, unit: str, note: str = "", *, noise: float | None = None,
+               verdict: str | None = None) -> float:
         """Record (or overwrite) a figure and save the file; returns ``value`` for chaining.
 
+        Args:
+            noise: for a timing figure derived from a ``utils.compare`` ratio (an overhead, ``1 / ratio - 1``), the
+                relative noise band it was judged by (``comparison.noise``), which the README prints beside it.
+            verdict: what that band allows (``comparison.verdict``); for a one-off time that no run repeats (a
+                first compile), why it has no band, e.g. ``"one compile, not repeated"``.
+
         Raises:
-            ValueError: an empty name or unit, or a value that is not a finite number.
+            ValueError: an empty name or unit, a value that is not a finite number, a negative or infinite noise.
         """
+        if noise is not None and (isinstance(noise, bool) or not isinstance(noise, (int, float))
+                                  or not math.isfinite(noise) or noise < 0):
+            raise ValueError(f"figure {name!r}: noise must be a finite relative band >= 0, got {noise!r}")
+        if verdict is not None and (not isinstance(verdict, str) or not verdict):
+            raise ValueError(f"figure {name!r}: verdict must be a non-empty string, got {verdict!r}")
         if not isinstance(name, str) or not name:
             raise ValueError(f"a figure needs a non-empty name, got {name!r}")
         if not isinstance(unit, str) or not unit:
@@ -73,7 +85,8 @@ class Results:
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ValueError(f"figure {name!r} must be a finite number, got {value!r}")
-        self.figures[name] = Figure(name, float(value), unit, device_name(self.device), note)
+        self.figures[name] = Figure(name, float(value), unit, device_name(self.device), note,
+                                    noise=None if noise is None else float(noise), verdict=verdict)
         self.save()
         return value
 
@@ -86,11 +99,7 @@ class Results:
         Example:
             >>> results.record_comparison("step_speedup_bf16", utils.compare(fp32_timing, bf16_timing))
         """
-        value = self.record(name, comparison.ratio, "x", note)
-        self.figures[name] = Figure(name, float(value), "x", device_name(self.device), note,
-                                    noise=float(comparison.noise), verdict=comparison.verdict)
-        self.save()
-        return value
+        return self.record(name, comparison.ratio, "x", note, noise=float(comparison.noise), verdict=comparison.verdict)
 
     def record_timing(self, name: str, timing: "Timing", note: str = "", *, scale: float = 1.0) -> float:
         """Record a measured time (the median of ``timing``, in ms) with its relative noise band (IQR / median).
@@ -105,11 +114,7 @@ class Results:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
         median = timing.median_ms
-        value = self.record(name, median * scale, "ms", note)
-        noise = timing.spread_ms / median if median > 0 else 0.0
-        self.figures[name] = Figure(name, float(value), "ms", device_name(self.device), note, noise=float(noise))
-        self.save()
-        return value
+        return self.record(name, median * scale, "ms", note, noise=timing.spread_ms / median if median > 0 else 0.0)
 
     def save(self) -> Path:
         """Write ``build/results/<notebook>.json``."""
