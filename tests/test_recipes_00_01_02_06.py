@@ -54,9 +54,9 @@ def _data(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     if name == "sequential":
         generator = torch.Generator().manual_seed(1)
         return torch.randn(65, 16, generator=generator), torch.randint(0, 5, (65,), generator=generator)
-    if name == "fused_qkv":
+    if name == "fused_qkv":                  # next-token targets: labels equal to the inputs are refused
         input_ids, _, labels = padded_tokens(9, 12, 64, seed=2)
-        return input_ids, labels
+        return input_ids[:, :-1], labels[:, 1:]
     input_ids, _, labels = padded_tokens(13, 12, 128, seed=3)
     return input_ids, labels[:, 1:]
 
@@ -306,10 +306,18 @@ def test_02_refuses_a_collators_unshifted_causal_lm_labels_and_trains_a_masked_l
     model = _causal_lm("llama")
     batch = padded_dict_batches(batch_size=4, size=4)[0]
     inputs = {name: value for name, value in batch.items() if name != "labels"}
-    with pytest.raises(ValueError, match="unshifted causal-LM labels"):
+    with pytest.raises(ValueError, match="causal LM.s unshifted labels"):
         recipe["accumulate_gradients"](model, inputs, batch["labels"], 2)
     assert all(p.grad is None for p in model.parameters()), "a refused batch leaves no gradient behind"
     recipe["accumulate_gradients"](model, inputs, _shifted(batch["labels"]), 2)        # shifted: trained
+    count_targets = recipe["count_targets"]
+    tokens, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
+    for unshifted in [(tokens, mask), tokens, {"input_ids": tokens.clone(), "attention_mask": mask}]:
+        with pytest.raises(ValueError, match="causal LM.s unshifted labels"):         # a tuple's or a tensor's tokens too
+            count_targets(unshifted, labels)
+    shifted = _shifted(labels)
+    assert count_targets((tokens, mask), shifted) == count_targets(batch, shifted) == (shifted != -100).sum()
+    assert count_targets({**inputs, "labels": shifted}, shifted) == (shifted != -100).sum()   # the labels' own key
 
     mlm = tiny_bert_mlm()
     tokens = padded_dict_batches(batch_size=4, size=4, vocab=VOCAB - 1)[0]
