@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import alive
+
 # the script is written for the Linux GPU machines (GNU coreutils' timeout, stat and split; /proc)
 pytestmark = pytest.mark.skipif(sys.platform != "linux" or shutil.which("timeout") is None,
                                 reason="tools/gpu_reference.sh needs Linux with GNU coreutils")
@@ -90,15 +92,6 @@ def described(tmp_path: Path) -> dict[str, str]:
     return {"GPU_REFERENCE_ENVIRONMENT": str(path)}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    state = Path(f"/proc/{pid}/stat")
-    return not (state.exists() and state.read_text().split()[2] == "Z")
-
-
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     """One dry run of four stubbed notebooks: one passes, one fails, one hangs past its limit, one crashes.
@@ -132,9 +125,9 @@ def test_a_notebook_past_its_limit_leaves_no_kernel_behind(dry_run):
     tmp_path, _ = dry_run
     pid = int((tmp_path / "kernel.pid").read_text())
     deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(pid), "the hung notebook's kernel survived its time limit"
+    assert not alive(pid), "the hung notebook's kernel survived its time limit"
 
 
 def test_the_pack_fits_a_device_call_and_holds_the_filed_run(dry_run):

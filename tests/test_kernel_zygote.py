@@ -9,6 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from tests.processes import alive
 from tools.kernel_zygote import KernelZygote
 from tools.nbtools import CHECK_KERNELS
 
@@ -21,20 +22,11 @@ def zygote():
     return CHECK_KERNELS
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split()[2] == "Z")
-
-
 def _gone_within(pid: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
-    while _alive(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not _alive(pid)
+    return not alive(pid)
 
 
 def _run(zygote, cells: list[str], tmp_path: Path, timeout_s: int = 60):
