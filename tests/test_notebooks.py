@@ -667,15 +667,14 @@ def test_unknown_check_mode_value_fails_with_clear_message(tmp_path, monkeypatch
     a forked kernel reads the variables of the process that asks for it, as a fresh one does."""
     import papermill
 
-    from tools.kernel_zygote import use_zygote
-    from tools.nbtools import CHECK_KERNELS
+    from tools.nbtools import forked_kernel_options
 
     monkeypatch.setenv("PYTORCH_INTRO_CHECK_MODE", "yes")
     monkeypatch.setenv("PYTORCH_INTRO_BUILD_DIR", str(tmp_path))
-    forked = {"kernel_manager_class": CHECK_KERNELS.kernel_manager_class()} if use_zygote() else {}
     with pytest.raises(PapermillExecutionError, match="PYTORCH_INTRO_CHECK_MODE='yes' is not understood"):
         papermill.execute_notebook(str(NOTEBOOK_PATHS[0]), str(tmp_path / "out.ipynb"), cwd=str(NOTEBOOKS),
-                                   kernel_name="python3", progress_bar=False, **forked)
+                                   kernel_name="python3", progress_bar=False,
+                                   **forked_kernel_options())
 
 
 def test_make_run_refuses_unknown_check_mode_value(monkeypatch):

@@ -312,7 +312,7 @@ def test_02_refuses_a_collators_unshifted_causal_lm_labels_and_trains_a_masked_l
     recipe["accumulate_gradients"](model, inputs, _shifted(batch["labels"]), 2)        # shifted: trained
     count_targets = recipe["count_targets"]
     tokens, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
-    for unshifted in [(tokens, mask), tokens, {"input_ids": tokens.clone(), "attention_mask": mask}]:
+    for unshifted in [(tokens, mask), tokens, labels, {"input_ids": tokens.clone(), "attention_mask": mask}]:
         with pytest.raises(ValueError, match="causal LM.s unshifted labels"):         # a tuple's or a tensor's tokens too
             count_targets(unshifted, labels)
     shifted = _shifted(labels)

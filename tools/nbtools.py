@@ -224,6 +224,12 @@ def _kernel_cpu_seconds(client, notebook: nbformat.NotebookNode) -> float | None
 CHECK_KERNELS = KernelZygote()
 
 
+def forked_kernel_options() -> dict:
+    """nbclient's (and papermill's) keyword for a kernel forked from :data:`CHECK_KERNELS`, where ``use_zygote()``
+    allows one; ``{}`` (a fresh kernel) elsewhere."""
+    return {"kernel_manager_class": CHECK_KERNELS.kernel_manager_class()} if use_zygote() else {}
+
+
 def run_check_mode(notebook_path: Path, output: Path, *, build: Path, timeout_s: int = 300,
                    torch_threads: int = 1, wrong_answers: dict[str, dict[str, str]] | None = None) -> CheckRun:
     """Execute a notebook once in check mode, probing its student version on the way.
@@ -249,9 +255,8 @@ def run_check_mode(notebook_path: Path, output: Path, *, build: Path, timeout_s:
     with notebook_environment(check_mode=True, build=build, torch_threads=torch_threads):
         # the kernel is forked from a server that has imported torch & co. once (tools/kernel_zygote.py; started
         # here on first use, so that it imports them in this environment), unless PYTORCH_INTRO_FRESH_KERNELS=1
-        forked = {"kernel_manager_class": CHECK_KERNELS.kernel_manager_class()} if use_zygote() else {}
         client = NotebookClient(source, timeout=timeout_s, kernel_name="python3",
-                                resources={"metadata": {"path": str(notebook_path.parent)}}, **forked)
+                                resources={"metadata": {"path": str(notebook_path.parent)}}, **forked_kernel_options())
         with client.setup_kernel():
             try:
                 for index, cell in enumerate(source.cells):
